@@ -1,0 +1,3 @@
+"""sdiloco: Streaming DiLoCo in JAX + Equinox + Optax."""
+
+__version__ = "0.1.0"
