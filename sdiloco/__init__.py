@@ -1,3 +1,46 @@
-"""sdiloco: Streaming DiLoCo in JAX + Equinox + Optax."""
+"""sdiloco: Streaming DiLoCo (arXiv 2501.18512) in JAX + Equinox + Optax.
+
+The public API, re-exported explicitly. Each name lives in a one-concept module:
+fragments (`fragments.py`), the sync schedule (`schedule.py`), outer-gradient
+compressors (`quantization.py`), the algorithm (`streaming.py`) and its Data-Parallel
+baseline (`data_parallel.py`).
+"""
+
+from .data_parallel import (
+    DataParallelState as DataParallelState,
+    data_parallel as data_parallel,
+)
+from .fragments import (
+    Fragments as Fragments,
+    fragments_by_layer as fragments_by_layer,
+    fragments_from_labels as fragments_from_labels,
+    fragments_from_masks as fragments_from_masks,
+    single_fragment as single_fragment,
+)
+from .quantization import (
+    FORMATS as FORMATS,
+    Compressor as Compressor,
+    Quantized as Quantized,
+    Quantizer as Quantizer,
+    dare as dare,
+    fed_dropout as fed_dropout,
+    quantizer as quantizer,
+    top_k as top_k,
+)
+from .schedule import (
+    Schedule as Schedule,
+    default_first_send as default_first_send,
+    make_schedule as make_schedule,
+)
+from .streaming import (
+    Algorithm as Algorithm,
+    StreamingState as StreamingState,
+    diloco as diloco,
+    global_params as global_params,
+    replica_average as replica_average,
+    replica_params as replica_params,
+    streaming_diloco as streaming_diloco,
+)
+
 
 __version__ = "0.1.0"

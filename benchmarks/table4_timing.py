@@ -1,0 +1,144 @@
+"""Time the whole of Table 4, and print our Tables 4 and 1 and the rebuttal table.
+
+Usage: `python benchmarks/table4_timing.py [--fit]`. `--fit` also scans the
+bits-per-parameter constant over the 1B rows of Table 4 (PAPER.md §5.2 item 8).
+"""
+
+import argparse
+import math
+import time
+
+import numpy as np
+
+import sdiloco.utilization as ut
+
+
+PAPER_TABLE4_1B = {
+    "Data-Parallel": (86.8, 152.6, 184.2, 222.3, 569.0),
+    "Vanilla DiLoCo": (1.4, 6.2, 13.3, 23.3, 86.8),
+    "Streaming DiLoCo": (1.4, 5.2, 9.1, 16.0, 28.1),
+    "Streaming DiLoCo w/ overlapped com.": (1.4, 4.3, 6.2, 9.1, 11.0),
+    "Streaming DiLoCo w/ overlapped FP4 com.": (0.4, 0.9, 1.7, 2.0, 3.0),
+}
+PAPER_TABLE1 = {  # tokens (B): (steps, DP +inf, DP 1 Gbit/s, Streaming +inf, 1 Gbit/s)
+    25: (24_300, 0.67, 109, 0.67, 0.88),
+    100: (97_200, 2.7, 438, 2.7, 3.5),
+    250: (243_000, 6.75, 1097, 6.75, 8.75),
+}
+REBUTTAL = {  # Gbit/s ("GiB" as written): DP, DiLoCo, Streaming overlapped FP4
+    1: ("21 days", "12 h", "6 h"),
+    10: ("2 days", "6 h", "5 h"),
+    100: ("10 h", "5 h", "5 h"),
+    1000: ("5 h", "5 h", "5 h"),
+}
+REBUTTAL_STEPS = 186_250
+
+
+def time_table4(repeats: int = 3) -> tuple[float, list[ut.BandwidthRow]]:
+    """Best-of-`repeats` seconds to compute all 15 rows of Table 4."""
+    workloads = [ut.paper_workload(n) for n in ("1B", "10B", "100B")]
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        rows = ut.bandwidth_table(workloads, ut.table4_methods())
+        best = min(best, time.perf_counter() - t0)
+    return best, rows
+
+
+def fit_bits(lo: float = 12.5, hi: float = 15.0, step: float = 0.01) -> None:
+    """Print the ranges of the constant that fit the 1B rows."""
+    grid = ut.BANDWIDTH_GRID
+    w = ut.paper_workload("1B")
+    paper = np.array(list(PAPER_TABLE4_1B.values()))
+    nearest = np.abs(np.log(grid)[None, None] - np.log(paper)[..., None]).argmin(-1)
+    exact, within = [], []
+    for bits in np.arange(lo, hi + step / 2, step):
+        ours = np.array(
+            [
+                ut.required_bandwidth(w, m, list(ut.TABLE4_TARGETS))
+                for m in ut.table4_methods(bits)
+            ]
+        )
+        ratio = 10 ** (4 / 49)
+        ok = (ours >= (paper - 0.05) / ratio * (1 - 1e-12)) & (
+            ours <= (paper + 0.05) * ratio * (1 + 1e-12)
+        )
+        on_point = np.searchsorted(grid, ours * (1 - 1e-12)) == nearest
+        if on_point[:4].all():
+            exact.append(bits)
+        if ok.all():
+            within.append(bits)
+    print("20 non-FP4 cells on the paper's grid point: bits in", _span(exact))
+    print("all 25 cells within one grid step: bits in", _span(within))
+
+
+def _span(values: list[float]) -> str:
+    return f"[{min(values):.2f}, {max(values):.2f}]" if values else "(none)"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--fit", action="store_true")
+    args = parser.parse_args()
+    seconds, rows = time_table4()
+    print(f"Table 4 (3 sizes x 5 methods x 5 targets): {seconds:.3f} s\n")
+    print(f"bits/param = {ut.TABLE4_BITS_PER_PARAM} (FP4: /4), latency 0,")
+    print(
+        "grid = logspace(-1, 3, 50) Gbit/s, window 3H steps (60 for DP), 'link_idle'\n"
+    )
+    print(ut.format_bandwidth_table(rows))
+    print("\nPaper, 1B rows:")
+    for name, vals in PAPER_TABLE4_1B.items():
+        print(
+            f"| 1B | 24 | 0.1s | {name} | "
+            + " | ".join(f"{v:.1f}" for v in vals)
+            + " |"
+        )
+
+    w = ut.paper_workload("1B")
+    bf16 = ut.BF16_BITS_PER_PARAM
+    dp = ut.data_parallel(bf16)
+    sd = ut.streaming(100, overlap_steps=1, fp4=True, bits_per_param=bf16)
+    print(f"\nTable 1 hours (1B, 0.1 s/step, {bf16:g} bits/param), ours (paper):")
+    print("| Tokens | Steps | DP +inf | DP 1 Gbit/s | Streaming +inf | Streaming 1 |")
+    print("|---|---|---|---|---|---|")
+    for tokens, (steps, *paper) in PAPER_TABLE1.items():
+        ours = [
+            ut.wall_clock_hours(w, m, b, steps)
+            for m in (dp, sd)
+            for b in (math.inf, 1.0)
+        ]
+        cells = " | ".join(
+            f"{o:.0f} ({p})" if o >= 100 else f"{o:.3g} ({p})"
+            for o, p in zip(ours, paper, strict=True)
+        )
+        print(f"| {tokens}B | {steps:,} | {cells} |")
+
+    for bits in (ut.TABLE4_BITS_PER_PARAM, bf16):
+        methods = (
+            ut.data_parallel(bits),
+            ut.diloco(100, bits),
+            ut.streaming(100, overlap_steps=1, fp4=True, bits_per_param=bits),
+        )
+        print(
+            f"\nRebuttal wall clock (1B, 0.1 s/step, {REBUTTAL_STEPS:,} steps, Gbit/s, "
+            f"{bits:g} bits/param), ours (rebuttal):"
+        )
+        print("| Gbit/s | Data-Parallel | DiLoCo H=100 | Streaming overlapped FP4 |")
+        print("|---|---|---|---|")
+        for gbps, paper in REBUTTAL.items():
+            hours = [
+                ut.wall_clock_hours(w, m, float(gbps), REBUTTAL_STEPS) for m in methods
+            ]
+            cells = " | ".join(
+                (f"{h / 24:.1f} days" if h > 48 else f"{h:.1f} h") + f" ({p})"
+                for h, p in zip(hours, paper, strict=True)
+            )
+            print(f"| {gbps} | {cells} |")
+    if args.fit:
+        print()
+        fit_bits()
+
+
+if __name__ == "__main__":
+    main()

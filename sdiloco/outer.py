@@ -1,0 +1,134 @@
+"""The outer step of (Streaming) DiLoCo, restricted to one fragment, and the α-merge.
+
+The outer optimizer is any optax transformation. Its state is kept **separate per
+fragment** (SPEC §1): the leaves that mirror the parameters (momentum, Adam moments) are
+stored once, since fragments are disjoint and a fragment only ever writes its own
+elements, while every other leaf (step counts, schedules' counters) is stacked on a
+leading fragment axis `[P, ...]`, so that an optimizer with a step count counts the
+syncs of that fragment, not global steps.
+
+The outer optimizer sees the whole parameter tree with the outer gradient zeroed outside
+the fragment, so transforms that reduce over the tree (e.g. clipping by global norm)
+see that fragment alone. Its state must mirror the parameters (true of optax's
+element-wise optimizers; not of factored ones such as adafactor).
+"""
+
+import jax
+import jax.numpy as jnp
+import optax
+from jaxtyping import Array, Bool, Int
+
+from .custom_types import Params
+from .fragments import Fragments
+
+
+def outer_init(
+    outer: optax.GradientTransformation, params: Params, num_fragments: int
+) -> optax.OptState:
+    """Outer optimizer state for `num_fragments` fragments (non-param leaves stacked)."""
+    state = outer.init(params)
+    return optax.tree_utils.tree_map_params(
+        outer,
+        lambda x: x,
+        state,
+        transform_non_params=lambda x: jnp.broadcast_to(
+            x, (num_fragments,) + jnp.shape(x)
+        ),
+    )
+
+
+def outer_step(
+    outer: optax.GradientTransformation,
+    fragments: Fragments,
+    p: Int[Array, ""],
+    params: Params,
+    state: optax.OptState,
+    outer_grad: Params,
+) -> tuple[Params, optax.OptState]:
+    """One outer step of fragment p: `θ_g[p], s_p ← OuterOpt(θ_g[p], s_p, Δ̄_p)`.
+
+    Streaming DiLoCo, Alg. 2, l.11 (applied to the global parameters, SPEC §1, 3.).
+    Every element outside fragment p, of the parameters and of the state, is returned
+    bitwise unchanged.
+
+    Args:
+        outer: the outer optimizer.
+        fragments: the partition.
+        p: the fragment (traced).
+        params: the global parameters θ_g (inexact arrays only).
+        state: the per-fragment outer state from `outer_init`.
+        outer_grad: the averaged outer gradient Δ̄ (the fragment's region is used).
+
+    Returns:
+        The new global parameters and outer state.
+    """
+    treedef = jax.tree.structure(params)
+    selected = jnp.arange(fragments.num_fragments) == p
+    mask = jax.tree.unflatten(treedef, fragments.mask(selected))
+    grad = jax.tree.map(
+        lambda d, m, x: jnp.where(m, d, jnp.zeros((), d.dtype)).astype(x.dtype),
+        outer_grad,
+        mask,
+        params,
+    )
+    param_index = _param_index(outer, params, state)
+    leaves, state_def = jax.tree.flatten(state)
+    state_p = jax.tree.unflatten(
+        state_def, [x if i >= 0 else x[p] for x, i in zip(leaves, param_index)]
+    )
+    updates, new_p = outer.update(grad, state_p, params)
+    new_params = jax.tree.map(
+        lambda x, u, m: jnp.where(m, (x + u.astype(x.dtype)).astype(x.dtype), x),
+        params,
+        updates,
+        mask,
+    )
+    mask_leaves = jax.tree.leaves(mask)
+    new_leaves = [
+        jnp.where(mask_leaves[i], n, o) if i >= 0 else o.at[p].set(n)
+        for n, o, i in zip(jax.tree.leaves(new_p), leaves, param_index)
+    ]
+    return new_params, jax.tree.unflatten(state_def, new_leaves)
+
+
+def merge(
+    replica: Array,
+    global_: Array,
+    due: Bool[Array, "..."],
+    ok: Bool[Array, "..."],
+    alpha: float,
+) -> Array:
+    """The α-merge of one leaf: `θ_m ← α·θ_m + (1 − α)·θ_g` where due (Alg. 2, l.12).
+
+    Where the fragment's outer gradient was not finite (`ok` false) the replica is
+    restored to θ_g instead (a failed round). α = 0 returns θ_g exactly and α = 1 leaves
+    the replica bitwise untouched.
+
+    Args:
+        replica: the leaf of all replicas, `[M, ...]`.
+        global_: the same leaf of θ_g, `[...]`.
+        due: where each replica merges, broadcastable to `replica`.
+        ok: where the outer gradient was finite, broadcastable to `global_`.
+        alpha: the mixing factor α in [0, 1].
+    """
+    g = jnp.broadcast_to(global_[None], replica.shape)
+    if alpha == 0:
+        mixed = g
+    elif alpha == 1:
+        mixed = replica
+    else:
+        mixed = (alpha * replica + (1 - alpha) * g).astype(replica.dtype)
+    new = jnp.where(ok[None], mixed, g)
+    return jnp.where(due, new, replica)
+
+
+def _param_index(
+    outer: optax.GradientTransformation, params: Params, state: optax.OptState
+) -> list[int]:
+    """For each leaf of `state`: the index of the parameter leaf it mirrors, or -1."""
+    treedef = jax.tree.structure(params)
+    index = jax.tree.unflatten(treedef, list(range(treedef.num_leaves)))
+    annotated = optax.tree_utils.tree_map_params(
+        outer, lambda _, i: i, state, index, transform_non_params=lambda _: -1
+    )
+    return jax.tree.leaves(annotated)

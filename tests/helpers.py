@@ -1,0 +1,92 @@
+"""Shared test helpers: a toy stacked-block model with a closed-form gradient, tree checks."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import optax
+
+
+def toy_params(key, *, dim=3, hidden=2, layers=4, dtype=jnp.float32):
+    """Parameters of `toy_loss`: a linear part and L stacked tanh blocks."""
+    k1, k2, k3 = jr.split(key, 3)
+    return {
+        "v": jr.normal(k1, (dim,), dtype) * 0.5,
+        "blocks": {
+            "W": jr.normal(k2, (layers, dim, hidden), dtype) * 0.5,
+            "u": jr.normal(k3, (layers, hidden), dtype) * 0.5,
+        },
+    }
+
+
+def toy_predict(params, x):
+    """`x @ v + sum_l tanh(x @ W_l) @ u_l`."""
+    hidden = jnp.tanh(jnp.einsum("bd,ldh->lbh", x, params["blocks"]["W"]))
+    return x @ params["v"] + jnp.einsum("lbh,lh->b", hidden, params["blocks"]["u"])
+
+
+def toy_loss(params, batch):
+    """Half mean squared error of `toy_predict`."""
+    r = toy_predict(params, batch["x"]) - batch["y"]
+    return 0.5 * jnp.mean(r * r)
+
+
+def toy_batches(key, *, steps, replicas, batch=4, dim=3, dtype=jnp.float32):
+    """`steps` batches, each with a leading replica axis: {"x": [M, B, d], "y": [M, B]}."""
+    kx, ky = jr.split(key)
+    x = jr.normal(kx, (steps, replicas, batch, dim), dtype)
+    y = jnp.sin(x.sum(-1)) + 0.1 * jr.normal(ky, (steps, replicas, batch), dtype)
+    return [{"x": x[t], "y": y[t]} for t in range(steps)]
+
+
+def tree_equal(a, b) -> bool:
+    """Bitwise equality of two pytrees of arrays (NaNs equal), same structure/dtypes."""
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    if jax.tree.structure(a) != jax.tree.structure(b) or len(la) != len(lb):
+        return False
+    for x, y in zip(la, lb):
+        x, y = np.asarray(x), np.asarray(y)
+        if x.shape != y.shape or x.dtype != y.dtype:
+            return False
+        if x.dtype.kind == "f" or x.dtype == jnp.bfloat16:
+            x, y = x.view(np.uint8 if x.itemsize == 1 else f"u{x.itemsize}"), y.view(
+                np.uint8 if y.itemsize == 1 else f"u{y.itemsize}"
+            )
+        if not np.array_equal(x, y):
+            return False
+    return True
+
+
+def tree_allclose(a, b, *, rtol=1e-6, atol=1e-6) -> bool:
+    """Closeness of two pytrees of arrays with the same structure."""
+    if jax.tree.structure(a) != jax.tree.structure(b):
+        return False
+    return all(
+        np.allclose(np.asarray(x, np.float64), np.asarray(y, np.float64), rtol=rtol, atol=atol)
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+    )
+
+
+def arrays(tree):
+    """The inexact-array part of a pytree."""
+    return eqx.filter(tree, eqx.is_inexact_array)
+
+
+def relaxed(opt: optax.GradientTransformation) -> optax.GradientTransformation:
+    """`opt` traced under standard dtype promotion.
+
+    The test suite runs under `jax_numpy_dtype_promotion="strict"` to keep sdiloco's own
+    code explicit about dtypes, but optax's Adam computes `b1 ** count` (float ** int32),
+    which strict promotion rejects. Only the optimizer's internals are relaxed.
+    """
+
+    def init(params):
+        with jax.numpy_dtype_promotion("standard"):
+            return opt.init(params)
+
+    def update(updates, state, params=None):
+        with jax.numpy_dtype_promotion("standard"):
+            return opt.update(updates, state, params)
+
+    return optax.GradientTransformation(init, update)
