@@ -25,7 +25,9 @@ def wide_dtype(dtype) -> jnp.dtype:
     return dtype if jnp.finfo(dtype).bits >= 32 else jnp.dtype(jnp.float32)
 
 
-def outer_gradients(global_leaves: list[Array], replica_leaves: list[Array]) -> list[Array]:
+def outer_gradients(
+    global_leaves: list[Array], replica_leaves: list[Array]
+) -> list[Array]:
     """`Δ_m = θ_g − θ_m` for every replica, in the wide dtype (Alg. 2, l.7)."""
     out = []
     for g, r in zip(global_leaves, replica_leaves):
@@ -86,7 +88,9 @@ def nonfinite_fragments(fragments: Fragments, leaves: list[Array]) -> Bool[Array
     return bad > 0
 
 
-def bits_per_fragment(compressor: Compressor | None, fragments: Fragments) -> np.ndarray:
+def bits_per_fragment(
+    compressor: Compressor | None, fragments: Fragments
+) -> np.ndarray:
     """Exact bits one replica puts on the wire to send each fragment (SPEC §3).
 
     Payload plus metadata, summed over the fragment's groups. Without a compressor,
@@ -96,5 +100,7 @@ def bits_per_fragment(compressor: Compressor | None, fragments: Fragments) -> np
         Python integers in an object array of shape `[P]`.
     """
     if compressor is None:
-        return fragments.group_sum(lambda shape: 32 * int(np.prod(shape, dtype=np.int64)))
+        return fragments.group_sum(
+            lambda shape: 32 * int(np.prod(shape, dtype=np.int64))
+        )
     return fragments.group_sum(compressor.bits)

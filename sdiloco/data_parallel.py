@@ -73,7 +73,9 @@ def data_parallel(
             inner_state=inner.init(eqx.filter(params, eqx.is_inexact_array)),
         )
 
-    def step(state: DataParallelState, batch: Batch) -> tuple[DataParallelState, Metrics]:
+    def step(
+        state: DataParallelState, batch: Batch
+    ) -> tuple[DataParallelState, Metrics]:
         """One Data-Parallel step: per-replica gradients, all-reduce mean, one update."""
         check_batch(batch, num_replicas)
         params = state.global_params

@@ -149,9 +149,7 @@ def fragments_by_layer(
         raise ValueError(f"blocks={blocks!r} does not select a subtree: {e}") from e
     leaves = jax.tree.leaves(params)
     flag_leaves = jax.tree.leaves(flags)
-    is_block = [
-        f for leaf, f in zip(leaves, flag_leaves) if eqx.is_inexact_array(leaf)
-    ]
+    is_block = [f for leaf, f in zip(leaves, flag_leaves) if eqx.is_inexact_array(leaf)]
     shapes = [tuple(x.shape) for x in parameter_leaves(params)]
     block_shapes = [s for s, b in zip(shapes, is_block) if b]
     if not block_shapes:
@@ -220,7 +218,9 @@ def fragments_from_labels(params: Params, labels: Any) -> Fragments:
         lab = np.asarray(lab)
         if lab.dtype.kind not in "iu":
             raise ValueError(f"labels must be integers; got dtype {lab.dtype}.")
-        if lab.ndim > 1 or (lab.ndim == 1 and (not leaf.ndim or lab.shape[0] != leaf.shape[0])):
+        if lab.ndim > 1 or (
+            lab.ndim == 1 and (not leaf.ndim or lab.shape[0] != leaf.shape[0])
+        ):
             raise ValueError(
                 f"a label for a leaf of shape {leaf.shape} must be a scalar or have "
                 f"shape ({leaf.shape[0] if leaf.ndim else '-'},); got {lab.shape}."

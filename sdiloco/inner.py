@@ -20,7 +20,9 @@ from .custom_types import Batch, Params, Replicated
 def replicate(params: Params, num_replicas: int) -> Replicated:
     """M copies of `params`: every array leaf gets a leading replica axis."""
     return jax.tree.map(
-        lambda x: jnp.broadcast_to(x, (num_replicas,) + x.shape) if eqx.is_array(x) else x,
+        lambda x: (
+            jnp.broadcast_to(x, (num_replicas,) + x.shape) if eqx.is_array(x) else x
+        ),
         params,
     )
 

@@ -53,9 +53,14 @@ class Schedule:
         h = self.sync_every
         if not isinstance(h, int | np.integer) or h < 1:
             raise ValueError(f"sync_every (H)={h!r}; must be an integer >= 1.")
-        for name, values in (("first_send", self.first_send), ("overlap", self.overlap)):
+        for name, values in (
+            ("first_send", self.first_send),
+            ("overlap", self.overlap),
+        ):
             if not values or not all(isinstance(v, int | np.integer) for v in values):
-                raise ValueError(f"{name}={values!r}; must be a non-empty tuple of ints.")
+                raise ValueError(
+                    f"{name}={values!r}; must be a non-empty tuple of ints."
+                )
         bad = [f for f in self.first_send if f < 1]
         if bad:
             raise ValueError(
@@ -85,12 +90,16 @@ class Schedule:
         h = jnp.asarray(self.sync_every, dtype=t.dtype)
         return (t >= f) & ((t - f) % h == 0)
 
-    def outer_due(self, t: Int[Array, ""], sent_at: Int[Array, " P"]) -> Bool[Array, " P"]:
+    def outer_due(
+        self, t: Int[Array, ""], sent_at: Int[Array, " P"]
+    ) -> Bool[Array, " P"]:
         """Which fragments take their outer step at t: the earliest arrival."""
         tau = jnp.asarray(min(self.overlap), dtype=t.dtype)
         return (sent_at != NEVER) & (t - sent_at == tau)
 
-    def merge_due(self, t: Int[Array, ""], sent_at: Int[Array, " P"]) -> Bool[Array, "M P"]:
+    def merge_due(
+        self, t: Int[Array, ""], sent_at: Int[Array, " P"]
+    ) -> Bool[Array, "M P"]:
         """Which fragments each replica m merges at t: `t = sent_at + τ_m` (Alg. 2, l.9)."""
         tau = jnp.asarray(self.overlap, dtype=t.dtype)[:, None]
         return (sent_at != NEVER)[None, :] & (t - sent_at[None, :] == tau)
@@ -118,7 +127,9 @@ def make_schedule(
     if not isinstance(num_replicas, int) or num_replicas < 1:
         raise ValueError(f"num_replicas (M)={num_replicas!r}; must be an integer >= 1.")
     if not isinstance(num_fragments, int) or num_fragments < 1:
-        raise ValueError(f"num_fragments (P)={num_fragments!r}; must be an integer >= 1.")
+        raise ValueError(
+            f"num_fragments (P)={num_fragments!r}; must be an integer >= 1."
+        )
     if not isinstance(sync_every, int | np.integer) or sync_every < 1:
         raise ValueError(f"sync_every (H)={sync_every!r}; must be an integer >= 1.")
     if isinstance(overlap, int | np.integer):

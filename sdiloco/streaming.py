@@ -43,7 +43,7 @@ from .fragments import Fragments, check_matches, single_fragment
 from .inner import check_batch, inner_steps, replicate
 from .outer import merge, outer_init, outer_step
 from .quantization import Compressor, quantizer
-from .schedule import NEVER, Schedule, make_schedule
+from .schedule import NEVER, make_schedule
 
 
 NONFINITE_POLICIES = ("skip", "apply", "raise")
@@ -149,7 +149,9 @@ def streaming_diloco(
     if fragments is not None and not isinstance(fragments, Fragments):
         raise ValueError(f"fragments={fragments!r} is not a Fragments.")
     num_fragments = 1 if fragments is None else fragments.num_fragments
-    schedule = make_schedule(sync_every, num_fragments, num_replicas, overlap, first_send)
+    schedule = make_schedule(
+        sync_every, num_fragments, num_replicas, overlap, first_send
+    )
     M = num_replicas
 
     def get_fragments(arrays: Params) -> Fragments:
@@ -241,7 +243,9 @@ def streaming_diloco(
         apply = due if nonfinite == "apply" else due & ok
         if nonfinite == "raise":
             g_leaves = eqx.error_if(
-                g_leaves, jnp.any(failed), "non-finite outer gradient (nonfinite='raise')"
+                g_leaves,
+                jnp.any(failed),
+                "non-finite outer gradient (nonfinite='raise')",
             )
 
         def do_outer(operands):
@@ -249,7 +253,12 @@ def streaming_diloco(
                 return jax.lax.cond(
                     apply[p],
                     lambda c: outer_step(
-                        outer, frags, p, c[0], c[1], jax.tree.unflatten(treedef, inflight)
+                        outer,
+                        frags,
+                        p,
+                        c[0],
+                        c[1],
+                        jax.tree.unflatten(treedef, inflight),
                     ),
                     lambda c: c,
                     carry,
@@ -288,7 +297,9 @@ def streaming_diloco(
             inflight=jax.tree.unflatten(treedef, inflight),
             sent_at=sent_at,
             inflight_ok=ok,
-            residual=None if residual is None else jax.tree.unflatten(treedef, residual),
+            residual=None
+            if residual is None
+            else jax.tree.unflatten(treedef, residual),
             key=state.key,
         )
         bits = jnp.asarray(
@@ -367,5 +378,3 @@ def _key_data(key: PRNGKeyArray | None) -> Array:
     if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
         return jr.key_data(key)
     return jnp.asarray(key)
-
-

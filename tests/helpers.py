@@ -50,8 +50,9 @@ def tree_equal(a, b) -> bool:
         if x.shape != y.shape or x.dtype != y.dtype:
             return False
         if x.dtype.kind == "f" or x.dtype == jnp.bfloat16:
-            x, y = x.view(np.uint8 if x.itemsize == 1 else f"u{x.itemsize}"), y.view(
-                np.uint8 if y.itemsize == 1 else f"u{y.itemsize}"
+            x, y = (
+                x.view(np.uint8 if x.itemsize == 1 else f"u{x.itemsize}"),
+                y.view(np.uint8 if y.itemsize == 1 else f"u{y.itemsize}"),
             )
         if not np.array_equal(x, y):
             return False
@@ -63,7 +64,9 @@ def tree_allclose(a, b, *, rtol=1e-6, atol=1e-6) -> bool:
     if jax.tree.structure(a) != jax.tree.structure(b):
         return False
     return all(
-        np.allclose(np.asarray(x, np.float64), np.asarray(y, np.float64), rtol=rtol, atol=atol)
+        np.allclose(
+            np.asarray(x, np.float64), np.asarray(y, np.float64), rtol=rtol, atol=atol
+        )
         for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
     )
 

@@ -8,8 +8,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 import sdiloco
-from sdiloco.fragments import parameter_leaves
-from sdiloco.fragments import check_matches
+from sdiloco.fragments import check_matches, parameter_leaves
 
 
 def _params(layers=6, extra=True):
@@ -24,7 +23,11 @@ def _element_labels(frags, params):
     """The fragment of every element, per leaf (NumPy, for checking)."""
     out = []
     for lab, x in zip(frags.labels, parameter_leaves(params)):
-        out.append(np.broadcast_to(lab.reshape(lab.shape + (1,) * (x.ndim - lab.ndim)), x.shape))
+        out.append(
+            np.broadcast_to(
+                lab.reshape(lab.shape + (1,) * (x.ndim - lab.ndim)), x.shape
+            )
+        )
     return out
 
 
@@ -38,7 +41,12 @@ def test_by_layer_partitions_exactly(layers, k, pattern, extra):
     params = _params(layers, extra)
     if layers % k:
         with pytest.raises(ValueError, match="layers_per_fragment"):
-            sdiloco.fragments_by_layer(params, blocks=lambda p: p["blocks"], layers_per_fragment=k, pattern=pattern)
+            sdiloco.fragments_by_layer(
+                params,
+                blocks=lambda p: p["blocks"],
+                layers_per_fragment=k,
+                pattern=pattern,
+            )
         return
     frags = sdiloco.fragments_by_layer(
         params, blocks=lambda p: p["blocks"], layers_per_fragment=k, pattern=pattern
@@ -60,8 +68,12 @@ def test_by_layer_partitions_exactly(layers, k, pattern, extra):
     # Masks select exactly the elements of the chosen fragments.
     for p in range(frags.num_fragments):
         sel = jnp.arange(frags.num_fragments) == p
-        for m, lab, x in zip(frags.mask(sel), _element_labels(frags, params), parameter_leaves(params)):
-            np.testing.assert_array_equal(np.broadcast_to(np.asarray(m), x.shape), lab == p)
+        for m, lab, x in zip(
+            frags.mask(sel), _element_labels(frags, params), parameter_leaves(params)
+        ):
+            np.testing.assert_array_equal(
+                np.broadcast_to(np.asarray(m), x.shape), lab == p
+            )
 
 
 def test_strided_example_24_layers():
@@ -71,7 +83,9 @@ def test_strided_example_24_layers():
     block = frags.labels[0]
     assert frags.num_fragments == 9
     assert np.flatnonzero(block == 1).tolist() == [0, 8, 16]
-    seq = sdiloco.fragments_by_layer(_params(24), blocks=lambda p: p["blocks"], pattern="sequential")
+    seq = sdiloco.fragments_by_layer(
+        _params(24), blocks=lambda p: p["blocks"], pattern="sequential"
+    )
     assert np.flatnonzero(seq.labels[0] == 1).tolist() == [0, 1, 2]
 
 
@@ -83,7 +97,9 @@ def test_equinox_module_and_batched_mask():
         steps: jax.Array = eqx.field(default_factory=lambda: jnp.zeros((), jnp.int32))
 
     model = Model(jnp.zeros((4, 2)), jnp.zeros((6, 2, 2)))
-    frags = sdiloco.fragments_by_layer(model, blocks=lambda m: m.blocks, layers_per_fragment=2)
+    frags = sdiloco.fragments_by_layer(
+        model, blocks=lambda m: m.blocks, layers_per_fragment=2
+    )
     assert frags.num_fragments == 4 and len(frags.labels) == 2
     sel = jnp.array([[True, False, False, True], [False, True, True, False]])
     masks = frags.mask(sel)
@@ -118,12 +134,23 @@ def test_bad_fragments():
     with pytest.raises(ValueError, match="structure"):
         sdiloco.fragments_from_labels(params, {"a": 0})
     with pytest.raises(ValueError, match="overlap"):
-        sdiloco.fragments_from_masks(params, [{"a": True, "b": True}, {"a": True, "b": False}])
+        sdiloco.fragments_from_masks(
+            params, [{"a": True, "b": True}, {"a": True, "b": False}]
+        )
     with pytest.raises(ValueError, match="gap"):
-        sdiloco.fragments_from_masks(params, [{"a": True, "b": [True, False, True, True]}])
+        sdiloco.fragments_from_masks(
+            params, [{"a": True, "b": [True, False, True, True]}]
+        )
     with pytest.raises(ValueError, match="pattern"):
-        sdiloco.fragments_by_layer(_params(), blocks=lambda p: p["blocks"], pattern="random")
+        sdiloco.fragments_by_layer(
+            _params(), blocks=lambda p: p["blocks"], pattern="random"
+        )
     with pytest.raises(ValueError, match="leading layer axis"):
-        sdiloco.fragments_by_layer({"blocks": {"a": jnp.zeros((3, 2)), "b": jnp.zeros((4, 2))}}, blocks=lambda p: p["blocks"])
+        sdiloco.fragments_by_layer(
+            {"blocks": {"a": jnp.zeros((3, 2)), "b": jnp.zeros((4, 2))}},
+            blocks=lambda p: p["blocks"],
+        )
     with pytest.raises(ValueError, match="layers_per_fragment"):
-        sdiloco.fragments_by_layer(_params(6), blocks=lambda p: p["blocks"], layers_per_fragment=4)
+        sdiloco.fragments_by_layer(
+            _params(6), blocks=lambda p: p["blocks"], layers_per_fragment=4
+        )

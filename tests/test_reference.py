@@ -28,7 +28,9 @@ def _np_grads(p, x, y):
     dpred = r / x.shape[0]
     return {
         "v": x.T @ dpred,
-        "W": np.einsum("bd,lbh->ldh", x, dpred[None, :, None] * p["u"][:, None, :] * (1 - z**2)),
+        "W": np.einsum(
+            "bd,lbh->ldh", x, dpred[None, :, None] * p["u"][:, None, :] * (1 - z**2)
+        ),
         "u": np.einsum("lbh,b->lh", z, dpred),
     }
 
@@ -36,7 +38,11 @@ def _np_grads(p, x, y):
 def _np_labels(layers, k, single):
     """Fragment of every element: v -> 0, layer l -> 1 + l mod (L / k) (strided)."""
     if single:
-        return {"v": np.zeros(1, int), "W": np.zeros(layers, int), "u": np.zeros(layers, int)}, 1
+        return {
+            "v": np.zeros(1, int),
+            "W": np.zeros(layers, int),
+            "u": np.zeros(layers, int),
+        }, 1
     pb = layers // k
     lab = 1 + np.arange(layers) % pb
     return {"v": np.zeros(1, int), "W": lab, "u": lab}, pb + 1
@@ -57,8 +63,13 @@ def _reference(params, batches, *, H, k, taus, alpha, single):
     g = {n: v.copy() for n, v in params.items()}
     mom = {n: np.zeros_like(v) for n, v in params.items()}
     reps = [{n: v.copy() for n, v in params.items()} for _ in range(M)]
-    adam = [({n: np.zeros_like(v) for n, v in params.items()},
-             {n: np.zeros_like(v) for n, v in params.items()}) for _ in range(M)]
+    adam = [
+        (
+            {n: np.zeros_like(v) for n, v in params.items()},
+            {n: np.zeros_like(v) for n, v in params.items()},
+        )
+        for _ in range(M)
+    ]
     inflight = {}
     for t, (xs, ys) in enumerate(batches, start=1):
         for m in range(M):  # 1. inner AdamW
@@ -73,19 +84,26 @@ def _reference(params, batches, *, H, k, taus, alpha, single):
             if t >= first[p] and (t - first[p]) % H == 0:
                 delta = {n: sum(g[n] - r[n] for r in reps) / M for n in params}
                 inflight[p] = (delta, t)
-        for p, (delta, sent) in inflight.items():  # 3. outer step at the earliest arrival
+        for p, (
+            delta,
+            sent,
+        ) in inflight.items():  # 3. outer step at the earliest arrival
             if t == sent + min(taus):
                 for n in params:
                     reg = _region(labels, n, p, g[n].shape)
                     new_mom = delta[n] + MU * mom[n]
-                    g[n] = np.where(reg, g[n] - OUTER_LR * (delta[n] + MU * new_mom), g[n])
+                    g[n] = np.where(
+                        reg, g[n] - OUTER_LR * (delta[n] + MU * new_mom), g[n]
+                    )
                     mom[n] = np.where(reg, new_mom, mom[n])
         for p, (delta, sent) in inflight.items():  # merge on each replica at its tau
             for m, tau in enumerate(taus):
                 if t == sent + tau:
                     for n in params:
                         reg = _region(labels, n, p, g[n].shape)
-                        reps[m][n] = np.where(reg, alpha * reps[m][n] + (1 - alpha) * g[n], reps[m][n])
+                        reps[m][n] = np.where(
+                            reg, alpha * reps[m][n] + (1 - alpha) * g[n], reps[m][n]
+                        )
     return g, reps
 
 
@@ -105,14 +123,22 @@ def test_matches_float64_numpy_reference(H, k, taus, alpha, single):
         M = len(taus)
         params = toy_params(jr.key(0), dtype=jnp.float64)
         batches = toy_batches(jr.key(1), steps=4 * H + 3, replicas=M, dtype=jnp.float64)
-        frags = None if single else sdiloco.fragments_by_layer(
-            params, blocks=lambda p: p["blocks"], layers_per_fragment=k
+        frags = (
+            None
+            if single
+            else sdiloco.fragments_by_layer(
+                params, blocks=lambda p: p["blocks"], layers_per_fragment=k
+            )
         )
         alg = sdiloco.streaming_diloco(
             toy_loss,
             inner=relaxed(optax.adamw(LR, b1=B1, b2=B2, eps=EPS, weight_decay=WD)),
             outer=optax.sgd(OUTER_LR, momentum=MU, nesterov=True),
-            num_replicas=M, sync_every=H, fragments=frags, overlap=taus, alpha=alpha,
+            num_replicas=M,
+            sync_every=H,
+            fragments=frags,
+            overlap=taus,
+            alpha=alpha,
         )
         state = alg.init(params)
         step = eqx.filter_jit(alg.step)
@@ -123,11 +149,16 @@ def test_matches_float64_numpy_reference(H, k, taus, alpha, single):
         assert applied >= 2
 
         def flat(p):
-            return {"v": np.asarray(p["v"]), "W": np.asarray(p["blocks"]["W"]),
-                    "u": np.asarray(p["blocks"]["u"])}
+            return {
+                "v": np.asarray(p["v"]),
+                "W": np.asarray(p["blocks"]["W"]),
+                "u": np.asarray(p["blocks"]["u"]),
+            }
 
         np_batches = [(np.asarray(b["x"]), np.asarray(b["y"])) for b in batches]
-        g, reps = _reference(flat(params), np_batches, H=H, k=k, taus=taus, alpha=alpha, single=single)
+        g, reps = _reference(
+            flat(params), np_batches, H=H, k=k, taus=taus, alpha=alpha, single=single
+        )
         for n, v in flat(state.global_params).items():
             np.testing.assert_allclose(v, g[n], rtol=1e-12, atol=1e-12)
             assert not np.allclose(v, flat(params)[n])

@@ -25,7 +25,9 @@ def test_paper_example():
     custom=st.booleans(),
     data=st.data(),
 )
-def test_each_fragment_sent_once_per_period_and_arrives_tau_later(h, p, taus, custom, data):
+def test_each_fragment_sent_once_per_period_and_arrives_tau_later(
+    h, p, taus, custom, data
+):
     taus = [t % h for t in taus]
     first = None
     if custom:
@@ -70,9 +72,18 @@ def test_default_first_send_is_spread_over_one_period():
         (dict(sync_every=0, num_fragments=1, num_replicas=2), "sync_every"),
         (dict(sync_every=5, num_fragments=1, num_replicas=2, overlap=5), "tau"),
         (dict(sync_every=5, num_fragments=1, num_replicas=2, overlap=-1), "tau"),
-        (dict(sync_every=5, num_fragments=1, num_replicas=2, overlap=(1, 2, 3)), "per replica"),
-        (dict(sync_every=5, num_fragments=2, num_replicas=2, first_send=(0, 3)), "first_send"),
-        (dict(sync_every=5, num_fragments=2, num_replicas=2, first_send=(3,)), "one per"),
+        (
+            dict(sync_every=5, num_fragments=1, num_replicas=2, overlap=(1, 2, 3)),
+            "per replica",
+        ),
+        (
+            dict(sync_every=5, num_fragments=2, num_replicas=2, first_send=(0, 3)),
+            "first_send",
+        ),
+        (
+            dict(sync_every=5, num_fragments=2, num_replicas=2, first_send=(3,)),
+            "one per",
+        ),
         (dict(sync_every=5, num_fragments=0, num_replicas=2), "num_fragments"),
         (dict(sync_every=5, num_fragments=1, num_replicas=0), "num_replicas"),
     ],

@@ -7,7 +7,15 @@ import jax.random as jr
 import numpy as np
 import optax
 import pytest
-from helpers import arrays, relaxed, toy_batches, toy_loss, toy_params, tree_allclose, tree_equal
+from helpers import (
+    arrays,
+    relaxed,
+    toy_batches,
+    toy_loss,
+    toy_params,
+    tree_allclose,
+    tree_equal,
+)
 from hypothesis import given, settings, strategies as st
 
 import sdiloco
@@ -56,27 +64,41 @@ def _element_masks(frags, selected):
 def test_outer_step_touches_only_its_fragment(p, lr, momentum, seed):
     params = arrays(toy_params(jr.key(seed)))
     frags = _frags(params)  # P = 5: the linear part + 4 one-layer fragments
-    outer = optax.chain(optax.scale_by_adam(), optax.sgd(lr, momentum or None, nesterov=bool(momentum)))
+    outer = optax.chain(
+        optax.scale_by_adam(), optax.sgd(lr, momentum or None, nesterov=bool(momentum))
+    )
     state = outer_init(relaxed(outer), params, frags.num_fragments)
     grad = jax.tree.map(lambda x: jnp.ones_like(x) * 0.3, params)
     # Two earlier syncs of other fragments so that the state is not trivial.
     for q in [(p + 1) % 5, (p + 2) % 5]:
-        params, state = outer_step(relaxed(outer), frags, jnp.int32(q), params, state, grad)
-    new_params, new_state = outer_step(relaxed(outer), frags, jnp.int32(p), params, state, grad)
+        params, state = outer_step(
+            relaxed(outer), frags, jnp.int32(q), params, state, grad
+        )
+    new_params, new_state = outer_step(
+        relaxed(outer), frags, jnp.int32(p), params, state, grad
+    )
     sel = np.arange(frags.num_fragments) == p
-    for old, new, m in zip(jax.tree.leaves(params), jax.tree.leaves(new_params), _element_masks(frags, sel)):
+    for old, new, m in zip(
+        jax.tree.leaves(params), jax.tree.leaves(new_params), _element_masks(frags, sel)
+    ):
         np.testing.assert_array_equal(np.asarray(new)[~m], np.asarray(old)[~m])
         assert np.all(np.asarray(new)[m] != np.asarray(old)[m])
     # Adam's count is per fragment: only fragment p's count moved.
-    counts = [x for x in jax.tree.leaves(new_state) if x.shape == (frags.num_fragments,)]
-    old_counts = [x for x in jax.tree.leaves(state) if x.shape == (frags.num_fragments,)]
+    counts = [
+        x for x in jax.tree.leaves(new_state) if x.shape == (frags.num_fragments,)
+    ]
+    old_counts = [
+        x for x in jax.tree.leaves(state) if x.shape == (frags.num_fragments,)
+    ]
     for c, oc in zip(counts, old_counts):
         expected = np.asarray(oc).copy()
         expected[p] += 1
         np.testing.assert_array_equal(np.asarray(c), expected)
     # Moments of other fragments are bitwise unchanged.
     mu_old, mu_new = state[0].mu, new_state[0].mu
-    for old, new, m in zip(jax.tree.leaves(mu_old), jax.tree.leaves(mu_new), _element_masks(frags, sel)):
+    for old, new, m in zip(
+        jax.tree.leaves(mu_old), jax.tree.leaves(mu_new), _element_masks(frags, sel)
+    ):
         np.testing.assert_array_equal(np.asarray(new)[~m], np.asarray(old)[~m])
 
 
@@ -95,7 +117,9 @@ def test_outer_step_equals_optax_on_the_fragment():
         upd, ref_state = outer.update(g, ref_state, ref)
         ref = optax.apply_updates(ref, upd)
     sel = np.arange(frags.num_fragments) == 2
-    for x, r, m in zip(jax.tree.leaves(params), jax.tree.leaves(ref), _element_masks(frags, sel)):
+    for x, r, m in zip(
+        jax.tree.leaves(params), jax.tree.leaves(ref), _element_masks(frags, sel)
+    ):
         np.testing.assert_allclose(np.asarray(x)[m], np.asarray(r)[m], rtol=1e-6)
 
 
@@ -138,10 +162,17 @@ def test_global_changes_only_on_applied_fragments(h, tau, alpha, k):
     params = toy_params(jr.key(1))
     frags = _frags(params, k)
     alg = sdiloco.streaming_diloco(
-        toy_loss, inner=relaxed(optax.adamw(0.05)), num_replicas=M, sync_every=h,
-        fragments=frags, overlap=tau, alpha=alpha,
+        toy_loss,
+        inner=relaxed(optax.adamw(0.05)),
+        num_replicas=M,
+        sync_every=h,
+        fragments=frags,
+        overlap=tau,
+        alpha=alpha,
     )
-    history, metrics = _run(alg, params, toy_batches(jr.key(2), steps=3 * h + 3, replicas=M))
+    history, metrics = _run(
+        alg, params, toy_batches(jr.key(2), steps=3 * h + 3, replicas=M)
+    )
     applied_any = False
     for before, after, m in zip(history, history[1:], metrics):
         applied = np.asarray(m["sync/applied"])
@@ -151,7 +182,9 @@ def test_global_changes_only_on_applied_fragments(h, tau, alpha, k):
             jax.tree.leaves(after.global_params),
             _element_masks(frags, applied),
         ):
-            np.testing.assert_array_equal(np.asarray(new)[~mask], np.asarray(old)[~mask])
+            np.testing.assert_array_equal(
+                np.asarray(new)[~mask], np.asarray(old)[~mask]
+            )
             if mask.any():
                 assert not np.array_equal(np.asarray(new)[mask], np.asarray(old)[mask])
         if alpha == 0 and tau == 0:
@@ -172,8 +205,13 @@ def test_alpha_one_means_independent_replicas():
     batches = toy_batches(jr.key(4), steps=9, replicas=M)
     inner = relaxed(optax.adamw(0.05))
     alg = sdiloco.streaming_diloco(
-        toy_loss, inner=inner, num_replicas=M, sync_every=3, fragments=_frags(params),
-        overlap=1, alpha=1.0,
+        toy_loss,
+        inner=inner,
+        num_replicas=M,
+        sync_every=3,
+        fragments=_frags(params),
+        overlap=1,
+        alpha=1.0,
     )
     history, _ = _run(alg, params, batches)
     for m in range(M):
@@ -182,7 +220,9 @@ def test_alpha_one_means_independent_replicas():
             g = jax.grad(toy_loss)(p, jax.tree.map(lambda x: x[m], b))
             u, s = inner.update(g, s, p)
             p = optax.apply_updates(p, u)
-        assert tree_allclose(sdiloco.replica_params(history[-1], m), p, rtol=1e-5, atol=1e-6)
+        assert tree_allclose(
+            sdiloco.replica_params(history[-1], m), p, rtol=1e-5, atol=1e-6
+        )
 
 
 def test_global_invariant_to_replica_permutation():
@@ -193,8 +233,14 @@ def test_global_invariant_to_replica_permutation():
     perm = np.array([2, 0, 1])
     permuted = [jax.tree.map(lambda x: x[perm], b) for b in batches]
     alg = sdiloco.streaming_diloco(
-        toy_loss, inner=relaxed(optax.adamw(0.05)), num_replicas=M, sync_every=3,
-        fragments=_frags(params), overlap=1, alpha=0.5, compressor=sdiloco.quantizer("e3m0"),
+        toy_loss,
+        inner=relaxed(optax.adamw(0.05)),
+        num_replicas=M,
+        sync_every=3,
+        fragments=_frags(params),
+        overlap=1,
+        alpha=0.5,
+        compressor=sdiloco.quantizer("e3m0"),
     )
     a, _ = _run(alg, params, batches)
     b, _ = _run(alg, params, permuted)
@@ -228,12 +274,18 @@ def test_diloco_equals_direct_implementation():
     batches = toy_batches(jr.key(8), steps=12, replicas=M)
     inner = relaxed(optax.adamw(0.05))
     outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
-    alg = sdiloco.diloco(toy_loss, inner=inner, outer=outer, num_replicas=M, sync_every=4)
+    alg = sdiloco.diloco(
+        toy_loss, inner=inner, outer=outer, num_replicas=M, sync_every=4
+    )
     history, metrics = _run(alg, params, batches)
     g, reps = _direct_diloco(params, batches, 4, inner, outer)
     assert tree_allclose(history[-1].global_params, g, rtol=1e-5, atol=1e-6)
-    assert tree_allclose(sdiloco.replica_params(history[-1], 1), reps[1], rtol=1e-5, atol=1e-6)
-    assert [bool(m["sync/applied"][0]) for m in metrics] == [t % 4 == 0 for t in range(1, 13)]
+    assert tree_allclose(
+        sdiloco.replica_params(history[-1], 1), reps[1], rtol=1e-5, atol=1e-6
+    )
+    assert [bool(m["sync/applied"][0]) for m in metrics] == [
+        t % 4 == 0 for t in range(1, 13)
+    ]
 
 
 def test_single_replica_plain_outer_sgd_is_inner_training():
@@ -241,8 +293,14 @@ def test_single_replica_plain_outer_sgd_is_inner_training():
     batches = toy_batches(jr.key(10), steps=10, replicas=1)
     inner = relaxed(optax.adamw(0.05))
     alg = sdiloco.streaming_diloco(
-        toy_loss, inner=inner, outer=optax.sgd(1.0), num_replicas=1, sync_every=3,
-        fragments=_frags(params), overlap=0, alpha=0.0,
+        toy_loss,
+        inner=inner,
+        outer=optax.sgd(1.0),
+        num_replicas=1,
+        sync_every=3,
+        fragments=_frags(params),
+        overlap=0,
+        alpha=0.0,
     )
     history, _ = _run(alg, params, batches)
     p, s = params, inner.init(params)
@@ -250,7 +308,9 @@ def test_single_replica_plain_outer_sgd_is_inner_training():
         g = jax.grad(toy_loss)(p, jax.tree.map(lambda x: x[0], b))
         u, s = inner.update(g, s, p)
         p = optax.apply_updates(p, u)
-    assert tree_allclose(sdiloco.replica_params(history[-1], 0), p, rtol=1e-5, atol=1e-6)
+    assert tree_allclose(
+        sdiloco.replica_params(history[-1], 0), p, rtol=1e-5, atol=1e-6
+    )
 
 
 def test_h1_sgd_equals_data_parallel():
@@ -258,8 +318,13 @@ def test_h1_sgd_equals_data_parallel():
     batches = toy_batches(jr.key(12), steps=6, replicas=M)
     inner = optax.sgd(0.1)
     alg = sdiloco.streaming_diloco(
-        toy_loss, inner=inner, outer=optax.sgd(1.0), num_replicas=M, sync_every=1,
-        overlap=0, alpha=0.0,
+        toy_loss,
+        inner=inner,
+        outer=optax.sgd(1.0),
+        num_replicas=M,
+        sync_every=1,
+        overlap=0,
+        alpha=0.0,
     )
     dp = sdiloco.data_parallel(toy_loss, inner=inner, num_replicas=M)
     a, _ = _run(alg, params, batches)
@@ -276,9 +341,15 @@ def test_h1_sgd_equals_data_parallel():
 def test_compiles_once_and_state_is_stable(dtype):
     params = toy_params(jr.key(13), dtype=dtype)
     alg = sdiloco.streaming_diloco(
-        toy_loss, inner=relaxed(optax.adamw(0.05)), num_replicas=M, sync_every=3,
-        fragments=_frags(params), overlap=(0, 1, 2), alpha=0.5,
-        compressor=sdiloco.quantizer("e3m0", rounding="stochastic"), error_feedback=True,
+        toy_loss,
+        inner=relaxed(optax.adamw(0.05)),
+        num_replicas=M,
+        sync_every=3,
+        fragments=_frags(params),
+        overlap=(0, 1, 2),
+        alpha=0.5,
+        compressor=sdiloco.quantizer("e3m0", rounding="stochastic"),
+        error_feedback=True,
     )
     step = eqx.filter_jit(eqx.debug.assert_max_traces(alg.step, max_traces=1))
     state = alg.init(params, jr.key(0))
@@ -292,7 +363,9 @@ def test_compiles_once_and_state_is_stable(dtype):
     assert all(x.dtype == dtype for x in jax.tree.leaves(state.replica_params))
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state.inflight))
     # The step can sit in both branches of a lax.cond: its output types are its input's.
-    cond_step = jax.jit(lambda s, b, p: jax.lax.cond(p, lambda s: alg.step(s, b)[0], lambda s: s, s))
+    cond_step = jax.jit(
+        lambda s, b, p: jax.lax.cond(p, lambda s: alg.step(s, b)[0], lambda s: s, s)
+    )
     cond_step(state, b, True)
 
 
@@ -300,10 +373,17 @@ def test_float64():
     with jax.enable_x64(True):
         params = toy_params(jr.key(15), dtype=jnp.float64)
         alg = sdiloco.streaming_diloco(
-            toy_loss, inner=relaxed(optax.adamw(0.05)), num_replicas=2, sync_every=2,
-            fragments=_frags(params), overlap=1, compressor=sdiloco.quantizer("e2m1"),
+            toy_loss,
+            inner=relaxed(optax.adamw(0.05)),
+            num_replicas=2,
+            sync_every=2,
+            fragments=_frags(params),
+            overlap=1,
+            compressor=sdiloco.quantizer("e2m1"),
         )
-        history, _ = _run(alg, params, toy_batches(jr.key(16), steps=5, replicas=2, dtype=jnp.float64))
+        history, _ = _run(
+            alg, params, toy_batches(jr.key(16), steps=5, replicas=2, dtype=jnp.float64)
+        )
         state = history[-1]
         assert all(x.dtype == jnp.float64 for x in jax.tree.leaves(arrays(state)))
 
@@ -317,8 +397,13 @@ def test_nonfinite_outer_gradient_is_skipped_and_restored(tau, layers_per_fragme
     params = toy_params(jr.key(17))
     frags = None if layers_per_fragment is None else _frags(params, layers_per_fragment)
     alg = sdiloco.streaming_diloco(
-        toy_loss, inner=optax.sgd(0.05), num_replicas=M, sync_every=4, fragments=frags,
-        overlap=tau, alpha=0.5,
+        toy_loss,
+        inner=optax.sgd(0.05),
+        num_replicas=M,
+        sync_every=4,
+        fragments=frags,
+        overlap=tau,
+        alpha=0.5,
     )
     batches = toy_batches(jr.key(18), steps=12, replicas=M)
     # Replica 0 sees a NaN at step 3: all its parameters become NaN before any send.
@@ -335,7 +420,8 @@ def test_nonfinite_outer_gradient_is_skipped_and_restored(tau, layers_per_fragme
         frag_sel = f if frags is not None else f[:1]
         fr = frags if frags is not None else sdiloco.single_fragment(params)
         for old, new, mask in zip(
-            jax.tree.leaves(before.global_params), jax.tree.leaves(after.global_params),
+            jax.tree.leaves(before.global_params),
+            jax.tree.leaves(after.global_params),
             _element_masks(fr, frag_sel),
         ):
             np.testing.assert_array_equal(np.asarray(new)[mask], np.asarray(old)[mask])
@@ -355,7 +441,11 @@ def test_nonfinite_outer_gradient_is_skipped_and_restored(tau, layers_per_fragme
 def test_nonfinite_raise_policy():
     params = toy_params(jr.key(19))
     alg = sdiloco.streaming_diloco(
-        toy_loss, inner=optax.sgd(0.05), num_replicas=2, sync_every=2, overlap=0,
+        toy_loss,
+        inner=optax.sgd(0.05),
+        num_replicas=2,
+        sync_every=2,
+        overlap=0,
         nonfinite="raise",
     )
     batches = toy_batches(jr.key(20), steps=2, replicas=2)
