@@ -69,6 +69,32 @@ def compress(
     return out
 
 
+def simulated_exchange(
+    compressor: Compressor | None,
+    fragments: Fragments,
+    deltas: list[Array],
+    key: PRNGKeyArray,
+) -> tuple[list[Array], list[Array]]:
+    """The exchange with all replicas on one device (vmapped): compress, then average.
+
+    This is the default `exchange` of `streaming_diloco`. A sharded exchange (see
+    `distributed.py`) has the same signature and returns the same values.
+
+    Args:
+        compressor: the compressor, or None.
+        fragments: the partition.
+        deltas: each replica's outer gradient, one `[M, ...]` array per leaf.
+        key: randomness for stochastic compressors.
+
+    Returns:
+        The average over replicas of the reconstructed outer gradients (one `[...]`
+        array per leaf, wide dtype), and each replica's own reconstruction `[M, ...]`
+        (what error feedback subtracts).
+    """
+    recon = compress(compressor, fragments, deltas, key)
+    return average(recon), recon
+
+
 def average(values: list[Array]) -> list[Array]:
     """Mean over the replica axis, in the values' (wide) dtype (Alg. 2, l.8)."""
     return [jnp.mean(v, axis=0) for v in values]

@@ -83,9 +83,7 @@ _VALUE_BITS = 32  # one float32 value kept by a value-dropping compressor
 class Quantized(NamedTuple):
     """What a sender puts on the wire for one tensor."""
 
-    codes: (
-        Array  # [*shape] uint8 indices into `values()`; bf16 / fp32 for those formats
-    )
+    codes: Array  # [*shape] uint8 index into values(); bf16 / fp32 for those formats
     scale: Array  # [num_groups] float32 amax per group; [0] for bf16 / fp32
 
 
@@ -228,13 +226,13 @@ class Quantizer(Compressor):
         groups = _to_groups(xc.reshape(-1), num_groups, group_size)
         scale = jnp.max(jnp.abs(groups), axis=1, initial=0.0).astype(jnp.float32)
         amax = scale.astype(cdtype)
-        # amax == 0 (all-zero group) or non-finite amax: normalise by 0. A zero group
-        # then stays zero, and a non-finite amax makes the dequantized group non-finite.
-        safe = jnp.where(amax > 0, amax, jnp.ones_like(amax))
-        inv = jnp.where(
-            jnp.isfinite(amax) & (amax > 0), top / safe, jnp.zeros_like(amax)
-        )
-        v = groups * inv[:, None]
+        # An all-zero group stays zero (its codes are 0 whatever the normaliser). A
+        # non-finite amax decodes every element of its group to inf or NaN.
+        ok = jnp.isfinite(amax) & (amax > 0)
+        safe = jnp.where(ok, amax, jnp.ones_like(amax))[:, None]
+        inv = top / safe
+        # M / amax overflows for a tiny amax (below M / max float): divide instead.
+        v = jnp.where(jnp.isfinite(inv), groups * inv, (groups / safe) * top)
         a = jnp.minimum(jnp.abs(v), top)
         if self.rounding == "nearest":
             mag_code = _round_nearest(a, mags)

@@ -98,6 +98,7 @@ def streaming_diloco(
     error_feedback: bool = False,
     nonfinite: str = "skip",
     has_aux: bool = False,
+    exchange: Callable[..., Any] = communication.simulated_exchange,
 ) -> Algorithm:
     """Streaming DiLoCo (Alg. 2) with overlapped, compressed fragment syncs.
 
@@ -125,6 +126,10 @@ def streaming_diloco(
             default: skip that fragment's outer step and restore it to θ_g on every
             replica, a failed round), "apply" (no check), "raise" (a runtime error).
         has_aux: whether `loss_fn` returns `(loss, aux)` with `aux` a dict of arrays.
+        exchange: how replicas exchange outer gradients:
+            `exchange(compressor, fragments, deltas, key) -> (mean, own)`; the default
+            simulates all replicas on one device. `distributed.py` provides one that
+            moves the packed low-bit payload between devices and hosts.
 
     Returns:
         The `Algorithm`.
@@ -216,8 +221,7 @@ def streaming_diloco(
             if residual is not None:
                 deltas = [d + e for d, e in zip(deltas, residual)]
             key = jr.fold_in(state.key, t)
-            recon = communication.compress(compressor, frags, deltas, key)
-            mean = communication.average(recon)
+            mean, recon = exchange(compressor, frags, deltas, key)
             mask = frags.mask(sent)
             inflight = [jnp.where(m, x, old) for m, x, old in zip(mask, mean, inflight)]
             if residual is not None:

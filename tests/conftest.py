@@ -1,6 +1,7 @@
 """Test configuration: strict dtype promotion, several CPU devices, hypothesis profiles."""
 
 import os
+import tempfile
 
 
 # Must happen before jax initialises its backend.
@@ -15,6 +16,15 @@ import pytest
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_num_cpu_devices", 4)
+# XLA:CPU compiles dominate the suite's time; identical programs (the same step built
+# twice, e.g. a run and its resumed half) are compiled once and reused across runs.
+jax.config.update(
+    "jax_compilation_cache_dir",
+    os.environ.get(
+        "SDILOCO_JAX_CACHE", os.path.join(tempfile.gettempdir(), "sdiloco-jax-cache")
+    ),
+)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 hypothesis.settings.register_profile(
     "dev", max_examples=20, derandomize=True, database=None, deadline=None

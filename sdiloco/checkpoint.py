@@ -1,0 +1,143 @@
+"""Checkpoints of a whole run with orbax: state, data iterators, config, history.
+
+One checkpoint holds, under one step directory written atomically by orbax:
+`state` (every array of the algorithm state: global params, outer states, replicas,
+inner states, in-flight fragments, step, key), `data_<m>` (each replica's grain iterator
+position), `config` (the `RunConfig` JSON) and `meta` (host-side counters and the
+metrics history). Restoring checks, before touching anything, that the checkpoint
+exists, has every item, and was written by the same config; the state is restored
+against an abstract exemplar of the current run, so a shape or structure mismatch is an
+error, never a silent partial restore.
+"""
+
+import json
+import os
+from typing import Any
+
+import equinox as eqx
+import grain
+import jax
+import orbax.checkpoint as ocp
+
+
+STATE, CONFIG, META = "state", "config", "meta"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, partial, or from another config or model."""
+
+
+class Checkpointer:
+    """Saves and restores runs in `directory` (a `CheckpointManager` underneath).
+
+    Args:
+        directory: where step directories are written (created if needed).
+        config_json: the run's config as canonical JSON; restoring a checkpoint whose
+            config differs raises `CheckpointError`.
+        keep: how many checkpoints to keep (the oldest are deleted).
+    """
+
+    def __init__(self, directory: str | os.PathLike, config_json: str, keep: int = 2):
+        self.directory = os.path.abspath(os.fspath(directory))
+        self.config = json.loads(config_json)
+        self.manager = ocp.CheckpointManager(
+            self.directory,
+            options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
+        )
+
+    def latest_step(self) -> int | None:
+        """The newest complete checkpoint's step, or None."""
+        return self.manager.latest_step()
+
+    def save(self, step: int, state: Any, iterators: list, meta: dict) -> None:
+        """Save the state's arrays, the iterators' positions, the config and `meta`."""
+        items = {
+            STATE: ocp.args.StandardSave(eqx.filter(state, eqx.is_array)),
+            CONFIG: ocp.args.JsonSave(self.config),
+            META: ocp.args.JsonSave(meta),
+        }
+        for m, it in enumerate(iterators):
+            items[f"data_{m}"] = grain.checkpoint.CheckpointSave(it)
+        self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+        self.manager.wait_until_finished()
+
+    def restore(
+        self, template: Any, iterators: list, step: int | None = None
+    ) -> tuple[Any, dict]:
+        """Restore into a state shaped like `template` and position `iterators`.
+
+        Args:
+            template: a state of the current run (e.g. `alg.init(model)`); its arrays
+                give the expected structure, shapes and dtypes, its non-array leaves
+                (static parts of the model) are reused.
+            iterators: the run's fresh data iterators, one per replica.
+            step: which checkpoint; default the latest.
+
+        Returns:
+            The restored state and `meta`.
+
+        Raises:
+            CheckpointError: no checkpoint, a partial one, another config, or a state
+                that does not match the template.
+        """
+        if step is None:
+            step = self.latest_step()
+        if step is None or step not in self.manager.all_steps():
+            raise CheckpointError(
+                f"no checkpoint{'' if step is None else f' at step {step}'} in "
+                f"{self.directory} (found steps {sorted(self.manager.all_steps())})."
+            )
+        step_dir = os.path.join(self.directory, str(step))
+        expected = [STATE, CONFIG, META] + [f"data_{m}" for m in range(len(iterators))]
+        missing = [i for i in expected if not os.path.isdir(os.path.join(step_dir, i))]
+        if missing:
+            raise CheckpointError(
+                f"checkpoint {step_dir} is partial: missing items {missing}; refusing "
+                "to restore part of a run."
+            )
+        saved = self.manager.restore(
+            step, args=ocp.args.Composite(**{CONFIG: ocp.args.JsonRestore()})
+        )[CONFIG]
+        if saved != self.config:
+            diff = _diff(saved, self.config)
+            raise CheckpointError(
+                f"checkpoint {step_dir} was written by another config; differing "
+                f"fields (checkpoint vs this run): {diff}."
+            )
+        arrays, static = eqx.partition(template, eqx.is_array)
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, arrays)
+        items = {
+            STATE: ocp.args.StandardRestore(abstract),
+            META: ocp.args.JsonRestore(),
+        }
+        for m, it in enumerate(iterators):
+            items[f"data_{m}"] = grain.checkpoint.CheckpointRestore(it)
+        try:
+            restored = self.manager.restore(step, args=ocp.args.Composite(**items))
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(
+                f"checkpoint {step_dir} does not match this run's state: {e}"
+            ) from e
+        state = restored[STATE]
+        got = jax.tree.map(lambda x: (x.shape, x.dtype), state)
+        want = jax.tree.map(lambda x: (x.shape, x.dtype), arrays)
+        if got != want:
+            raise CheckpointError(
+                f"checkpoint {step_dir} holds a state of another structure, shape or "
+                "dtype than this run's."
+            )
+        return eqx.combine(state, static), restored[META]
+
+    def close(self) -> None:
+        """Wait for pending writes and release the manager."""
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+
+def _diff(a: Any, b: Any, prefix: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for k in sorted(set(a) | set(b)):
+            out += _diff(a.get(k), b.get(k), f"{prefix}{k}.")
+        return out
+    return [] if a == b else [f"{prefix[:-1]}: {a!r} vs {b!r}"]

@@ -1,0 +1,284 @@
+"""The host training loop: `run(config) -> History`. I/O only; the maths is in the library.
+
+`run` builds the model, the per-replica data iterators and the algorithm from a
+`RunConfig`, then loops: stack one batch per replica, take one jitted step, and every
+`log_every` steps pull the metrics to the host. It evaluates the held-out loss of the
+global parameters (and, on request, of the replica average and of the first replica),
+counts the bits put on the wire exactly (Python integers), shows a tqdm bar with loss,
+tokens/s and bits sent, checkpoints with orbax and writes the history as JSON and CSV.
+"""
+
+import csv
+import dataclasses
+import json
+import math
+import os
+import time
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.random as jr
+import numpy as np
+from tqdm.auto import tqdm
+
+from . import data as data_lib, model as model_lib
+from .checkpoint import Checkpointer
+from .config import RunConfig
+from .streaming import Algorithm, replica_average, replica_params
+
+
+@dataclasses.dataclass
+class History:
+    """What a run produced."""
+
+    config: RunConfig
+    rows: list[dict] = dataclasses.field(default_factory=list)
+    """Training metrics every `log_every` steps (and the last step)."""
+    evals: list[dict] = dataclasses.field(default_factory=list)
+    """Held-out losses (nats/token) and bits per byte, per evaluated parameter set."""
+    summary: dict = dataclasses.field(default_factory=dict)
+    """Totals: steps, tokens, bits sent (total and peak per step), wall time."""
+    state: Any = None
+    """The final state (not serialised)."""
+
+    def final_eval(self, which: str = "global") -> float:
+        """The last held-out loss of `which` parameters."""
+        return self.evals[-1][f"eval/{which}"]
+
+    def to_dict(self) -> dict:
+        return {
+            "config": json.loads(self.config.to_json()),
+            "rows": self.rows,
+            "evals": self.evals,
+            "summary": self.summary,
+        }
+
+    def save(self, out_dir: str | os.PathLike) -> None:
+        """Write `history.json`, `history.csv` and `evals.csv` into `out_dir`."""
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "history.json"), "w") as f:
+            json.dump(self.to_dict(), f, indent=1)
+        for name, rows in (("history.csv", self.rows), ("evals.csv", self.evals)):
+            if rows:
+                keys = sorted(
+                    {k for r in rows for k in r}, key=lambda k: (k != "step", k)
+                )
+                with open(os.path.join(out_dir, name), "w", newline="") as f:
+                    w = csv.DictWriter(f, fieldnames=keys)
+                    w.writeheader()
+                    w.writerows(rows)
+
+
+@dataclasses.dataclass
+class Run:
+    """The pieces of a run, built from a config (see `build`)."""
+
+    config: RunConfig
+    model_config: model_lib.ModelConfig
+    algorithm: Algorithm
+    model: Any
+    train_tokens: np.ndarray
+    heldout_tokens: np.ndarray
+
+    def init_state(self):
+        return self.algorithm.init(self.model, jr.PRNGKey(self.config.seed + 1))
+
+    def iterators(self) -> list:
+        c = self.config
+        return data_lib.make_replica_iterators(
+            self.train_tokens,
+            num_replicas=c.method.num_replicas,
+            global_batch_size=c.data.global_batch_size,
+            seq_len=self.model_config.seq_len,
+            seed=c.data.seed,
+        )
+
+
+def build(config: RunConfig, **method_kwargs: Any) -> Run:
+    """Model, data and algorithm of a config (nothing is trained)."""
+    mc = model_lib.preset(config.model)
+    model = model_lib.Transformer(mc, key=jr.PRNGKey(config.seed))
+    train, heldout = _tokens(config, mc)
+    inner = config.inner.build(config.steps)
+    alg = config.method.build(
+        model_lib.loss_with_aux, inner, model, has_aux=True, **method_kwargs
+    )
+    return Run(config, mc, alg, model, train, heldout)
+
+
+def run(
+    config: RunConfig,
+    out_dir: str | os.PathLike | None = None,
+    *,
+    resume: bool = True,
+    stop_after: int | None = None,
+    progress: bool = True,
+) -> History:
+    """Train `config` and return its history.
+
+    Args:
+        config: the run.
+        out_dir: where to write `history.json`/`.csv`, `config.json` and checkpoints
+            (`out_dir/checkpoints`); None writes nothing.
+        resume: continue from the latest checkpoint in `out_dir` if there is one.
+        stop_after: stop (with a checkpoint) after this step, e.g. to split a run in
+            parts; a later call with `resume=True` continues it exactly.
+        progress: show a tqdm progress bar.
+
+    Returns:
+        The `History` (with the final state in `history.state`).
+    """
+    r = build(config)
+    c = config
+    state = r.init_state()
+    iterators = r.iterators()
+    history = History(config)
+    totals = {"bits": 0, "peak_bits": 0, "wall_s": 0.0}
+    ckpt = None
+    if out_dir is not None:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "config.json"), "w") as f:
+            f.write(c.to_json())
+        ckpt = Checkpointer(
+            os.path.join(out_dir, "checkpoints"), c.to_json(), c.keep_checkpoints
+        )
+        if resume and ckpt.latest_step() is not None:
+            state, meta = ckpt.restore(state, iterators)
+            history.rows, history.evals = meta["rows"], meta["evals"]
+            totals = meta["totals"]
+    bits_table = [int(b) for b in r.algorithm.bits_per_fragment(r.model)]
+    step_fn = eqx.filter_jit(r.algorithm.step, donate="all-except-first")
+    evaluate = _evaluator(r, c)
+    tokens_per_step = c.data.global_batch_size * r.model_config.seq_len
+    start_step = int(state.step)
+    last = c.steps if stop_after is None else min(stop_after, c.steps)
+    bar = tqdm(
+        total=c.steps,
+        initial=start_step,
+        disable=not progress,
+        desc=c.name,
+        dynamic_ncols=True,
+    )
+    pending: list[tuple[int, dict]] = []
+    t0 = time.perf_counter()
+    tick, tick_step = t0, start_step
+
+    def flush(step: int) -> None:
+        nonlocal tick, tick_step
+        host = jax.device_get(pending)
+        pending.clear()
+        for s, m in host:
+            sent = np.asarray(m.get("sync/sent", [True]), bool).reshape(-1)
+            bits = sum(b for b, on in zip(bits_table, sent) if on)
+            totals["bits"] += bits
+            totals["peak_bits"] = max(totals["peak_bits"], bits)
+        now = time.perf_counter()
+        tok_s = (step - tick_step) * tokens_per_step / max(now - tick, 1e-9)
+        tick, tick_step = now, step
+        s, m = host[-1]
+        row = {
+            "step": s,
+            "loss/train": float(m["loss/train"]),
+            "ce/train": float(m["aux/ce"]),
+            "tokens_per_s": tok_s,
+            "comm/bits_total": totals["bits"],
+            "nonfinite": bool(m["nonfinite"]),
+        }
+        history.rows.append(row)
+        bar.set_postfix(
+            loss=f"{row['loss/train']:.3f}",
+            tok_s=f"{tok_s:,.0f}",
+            bits=f"{totals['bits']:.3g}",
+        )
+
+    for step in range(start_step + 1, last + 1):
+        batch = data_lib.stack_batches([next(it) for it in iterators])
+        state, metrics = step_fn(state, batch)
+        pending.append((step, metrics))
+        if step % c.log_every == 0 or step == last:
+            flush(step)
+        if step % c.eval_every == 0 or step == c.steps:
+            history.evals.append({"step": step, **evaluate(state)})
+            bar.write(
+                f"step {step}: "
+                + ", ".join(
+                    f"{k}={v:.4f}" for k, v in history.evals[-1].items() if k != "step"
+                )
+            )
+        bar.update(1)
+        if ckpt is not None and c.checkpoint_every and step % c.checkpoint_every == 0:
+            ckpt.save(step, state, iterators, _meta(history, totals))
+    bar.close()
+    jax.block_until_ready(state)
+    totals["wall_s"] += time.perf_counter() - t0
+    if ckpt is not None:
+        if ckpt.latest_step() != last:
+            ckpt.save(last, state, iterators, _meta(history, totals))
+        ckpt.close()
+    history.summary = {
+        "steps": last,
+        "tokens": last * tokens_per_step,
+        "bits_total": totals["bits"],
+        "peak_bits_per_step": totals["peak_bits"],
+        "wall_s": totals["wall_s"],
+        "num_params": r.model_config.num_params(),
+        "unigram_entropy_heldout": data_lib.unigram_entropy(r.heldout_tokens),
+    }
+    history.state = state
+    if out_dir is not None:
+        history.save(out_dir)
+    return history
+
+
+def _meta(history: History, totals: dict) -> dict:
+    return {"rows": history.rows, "evals": history.evals, "totals": totals}
+
+
+def _tokens(
+    config: RunConfig, mc: model_lib.ModelConfig
+) -> tuple[np.ndarray, np.ndarray]:
+    d = config.data
+    if d.token_file is None:
+        if mc.vocab_size < 256:
+            raise ValueError(
+                f"model {config.model!r} has vocab_size={mc.vocab_size}; the embedded "
+                "corpus is byte-level and needs 256."
+            )
+        return data_lib.load_corpus("train"), data_lib.load_corpus("heldout")
+    tokens = data_lib.load_tokens(d.token_file, d.token_dtype)
+    split = int(len(tokens) * (1 - d.heldout_fraction))
+    return tokens[:split], tokens[split:]
+
+
+def _evaluator(r: Run, c: RunConfig):
+    batches = list(
+        data_lib.make_eval_iterator(
+            r.heldout_tokens,
+            batch_size=c.data.global_batch_size,
+            seq_len=r.model_config.seq_len,
+            num_batches=c.eval_batches,
+        )
+    )
+
+    @eqx.filter_jit
+    def ce(params, batch):
+        return model_lib.loss_with_aux(params, batch)[1]["ce"]
+
+    def params_of(state, which):
+        if which == "global" or not hasattr(state, "replica_params"):
+            return state.global_params
+        if which == "average":
+            return replica_average(state)
+        return replica_params(state, 0)
+
+    def evaluate(state) -> dict:
+        out = {}
+        for which in c.eval_params:
+            params = params_of(state, which)
+            loss = float(np.mean([float(ce(params, b)) for b in batches]))
+            out[f"eval/{which}"] = loss
+            out[f"bpb/{which}"] = loss / math.log(2)
+        return out
+
+    return evaluate

@@ -1,0 +1,157 @@
+"""The training loop: it learns, resumes bitwise, and rejects bad checkpoints and configs."""
+
+import json
+import os
+import shutil
+
+import jax
+import numpy as np
+import pytest
+from helpers import tree_equal
+
+import sdiloco
+from sdiloco import config as config_lib
+from sdiloco.__main__ import main
+from sdiloco.checkpoint import CheckpointError
+from sdiloco.train import run
+
+
+@pytest.fixture(autouse=True)
+def standard_promotion():
+    """Runs use optax's AdamW, whose `b1 ** count` strict promotion rejects."""
+    with jax.numpy_dtype_promotion("standard"):
+        yield
+
+
+def _tiny(preset="streaming_overlap_fp4", **changes):
+    base = dict(
+        model="tiny-xs",
+        steps=12,
+        eval_every=100,
+        eval_batches=2,
+        log_every=4,
+        data={"global_batch_size": 4},
+        inner={"lr": 3e-3, "warmup_steps": 2},
+    )
+    method = {"sync_every": 4, "overlap": 2, **changes.pop("method", {})}
+    if preset == "data_parallel":
+        method = {}
+    return config_lib.preset(preset, method=method, **{**base, **changes})
+
+
+def test_learns_below_unigram_entropy():
+    # A real learning check: the held-out cross-entropy of theta_g falls well below the
+    # corpus's unigram entropy (3.31 nats/byte), which a model ignoring context cannot.
+    cfg = _tiny(
+        steps=300,
+        eval_every=300,
+        eval_batches=4,
+        log_every=50,
+        method={"sync_every": 20, "overlap": 1},
+        data={"global_batch_size": 16},
+        inner={"lr": 1e-2, "warmup_steps": 20},
+    )
+    history = run(cfg, progress=False)
+    entropy = history.summary["unigram_entropy_heldout"]
+    assert 3.2 < entropy < 3.4
+    assert history.final_eval("global") < 0.85 * entropy
+    assert history.summary["bits_total"] > 0
+
+
+def test_resume_mid_flight_is_bitwise_identical(tmp_path):
+    cfg = _tiny(checkpoint_every=0)
+    full = run(cfg, progress=False)
+    # Stop after step 7: fragments sent at steps 6 and 7 are in flight (tau = 2).
+    part = run(cfg, tmp_path, stop_after=7, progress=False)
+    state = part.state
+    in_flight = (np.asarray(state.sent_at) > 0) & (7 - np.asarray(state.sent_at) < 2)
+    assert in_flight.any()
+    assert not tree_equal(jax.device_get(state), jax.device_get(full.state))
+    resumed = run(cfg, tmp_path, progress=False)
+    assert int(resumed.state.step) == 12
+    assert tree_equal(jax.device_get(resumed.state), jax.device_get(full.state))
+    assert resumed.summary["bits_total"] == full.summary["bits_total"]
+    # The resumed history holds every row of the uninterrupted one (plus one at the stop).
+    assert {r["step"] for r in full.rows} <= {r["step"] for r in resumed.rows}
+    with open(tmp_path / "history.json") as f:
+        assert json.load(f)["summary"]["steps"] == 12
+
+
+def test_bad_checkpoints(tmp_path):
+    cfg = _tiny(steps=4)
+    run(cfg, tmp_path, progress=False)
+    ckpt = tmp_path / "checkpoints"
+    # Another config: refused, naming the differing field.
+    with pytest.raises(CheckpointError, match="another config.*seed"):
+        run(cfg.replace(seed=1), tmp_path, progress=False)
+    # A partial checkpoint: refused, naming the missing item.
+    shutil.rmtree(ckpt / "4" / "data_1")
+    with pytest.raises(CheckpointError, match="partial.*data_1"):
+        run(cfg, tmp_path, progress=False)
+    # No checkpoint at all where one is asked for.
+    checkpointer = sdiloco.checkpoint.Checkpointer(tmp_path / "empty", cfg.to_json())
+    with pytest.raises(CheckpointError, match="no checkpoint"):
+        checkpointer.restore(None, [])
+
+
+def test_data_parallel_and_diloco_run(tmp_path):
+    for name in ("data_parallel", "diloco"):
+        history = run(_tiny(name, steps=4), tmp_path / name, progress=False)
+        assert np.isfinite(history.final_eval())
+        assert os.path.exists(tmp_path / name / "history.csv")
+
+
+def test_cli(tmp_path, capsys):
+    tokens = np.random.default_rng(0).integers(0, 256, 20_000).astype(np.uint16)
+    np.save(tmp_path / "tokens.npy", tokens)
+    argv = [
+        "train",
+        "--preset",
+        "streaming_overlap_fp4",
+        "--model",
+        "tiny-xs",
+        "--steps",
+        "3",
+        "--batch-size",
+        "4",
+        "--tokens",
+        str(tmp_path / "tokens.npy"),
+        "--out",
+        str(tmp_path / "out"),
+        "--no-progress",
+        "--sync-every",
+        "2",
+    ]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["summary"]["steps"] == 3
+    assert os.path.exists(tmp_path / "out" / "checkpoints" / "3")
+
+
+@pytest.mark.parametrize("name", sorted(config_lib.PRESETS))
+def test_every_preset_builds(name):
+    cfg = config_lib.preset(name)
+    assert config_lib.RunConfig.from_json(cfg.to_json()) == cfg
+    r = sdiloco.train.build(cfg.replace(model="tiny-xs"))
+    assert r.algorithm.num_replicas == cfg.method.num_replicas
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        (dict(model="tiny-xxl"), "tiny-xxl"),
+        (dict(steps=0), "steps"),
+        (dict(data={"global_batch_size": 5}), "divisible"),
+        (dict(method={"sync_every": 0}), "sync_every"),
+        (dict(method={"overlap": 100}), "tau"),
+        (dict(method={"alpha": 2.0}), "alpha"),
+        (dict(method={"quantizer": "e9m9"}), "quantizer"),
+        (dict(method={"layers_per_fragment": 4}), "layers_per_fragment"),
+        (dict(method={"method": "fedavg"}), "method"),
+        (dict(eval_params=("best",)), "eval_params"),
+        (dict(inner={"lr": -1.0}), "lr"),
+    ],
+)
+def test_bad_config(changes, match):
+    with pytest.raises(ValueError, match=match):
+        config_lib.preset("streaming_overlap_fp4", **changes)
