@@ -26,7 +26,10 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--sync-every", type=int, help="H")
     t.add_argument("--overlap", type=int, help="tau")
     t.add_argument("--alpha", type=float, help="mixing factor")
-    t.add_argument("--quantizer", help="outer-gradient format, e.g. e3m0, fp32")
+    t.add_argument(
+        "--quantizer",
+        help="outer-gradient format (e3m0, e2m1, e4m3, bf16, fp32, ...) or none",
+    )
     t.add_argument("--batch-size", type=int, help="global batch size (sequences)")
     t.add_argument("--lr", type=float, help="peak inner learning rate")
     t.add_argument("--seed", type=int, help="model/data seed")
@@ -42,36 +45,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "train":
         from .train import run
 
-        method = {
-            k: v
-            for k, v in dict(
-                num_replicas=args.replicas,
-                sync_every=args.sync_every,
-                overlap=args.overlap,
-                alpha=args.alpha,
-                quantizer=args.quantizer,
-            ).items()
-            if v is not None
-        }
+        method = _given(
+            num_replicas=args.replicas,
+            sync_every=args.sync_every,
+            overlap=args.overlap,
+            alpha=args.alpha,
+            quantizer=args.quantizer,
+        )
         if method.get("quantizer") == "none":
             method["quantizer"] = None
-        changes = {
-            k: v
-            for k, v in dict(
-                model=args.model,
-                steps=args.steps,
-                seed=args.seed,
-                checkpoint_every=args.checkpoint_every,
-            ).items()
-            if v is not None
-        }
-        data = {
-            k: v
-            for k, v in dict(
-                global_batch_size=args.batch_size, token_file=args.tokens
-            ).items()
-            if v is not None
-        }
+        changes = _given(
+            model=args.model,
+            steps=args.steps,
+            seed=args.seed,
+            checkpoint_every=args.checkpoint_every,
+        )
+        data = _given(global_batch_size=args.batch_size, token_file=args.tokens)
         if method:
             changes["method"] = method
         if data:
@@ -88,6 +77,11 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
     return 0
+
+
+def _given(**options):
+    """The options the user gave (not None)."""
+    return {k: v for k, v in options.items() if v is not None}
 
 
 if __name__ == "__main__":

@@ -491,3 +491,55 @@ def test_bad_batch_and_params():
     dp = sdiloco.data_parallel(toy_loss, inner=optax.sgd(0.1), num_replicas=2)
     with pytest.raises(ValueError, match="number of replicas M=2"):
         dp.step(dp.init(params), batch)
+
+
+def test_error_feedback_carries_the_residual():
+    # At a send, each replica transmits Q(delta + e) and keeps e' = delta + e - Q(...)
+    # on the sent fragment; elsewhere e is untouched (beyond the paper, SPEC §2).
+    params = toy_params(jr.key(23))
+    frags = _frags(params, 2)
+    q = sdiloco.quantizer("e3m0")
+    alg = sdiloco.streaming_diloco(
+        toy_loss,
+        inner=optax.sgd(0.05),
+        num_replicas=M,
+        sync_every=3,
+        fragments=frags,
+        overlap=1,
+        alpha=0.5,
+        compressor=q,
+        error_feedback=True,
+    )
+    history, metrics = _run(alg, params, toy_batches(jr.key(24), steps=10, replicas=M))
+    checked = 0
+    for before, after, m in zip(history, history[1:], metrics):
+        sent = np.asarray(m["sync/sent"])
+        masks = _element_masks(frags, sent)
+        leaves = zip(
+            jax.tree.leaves(before.global_params),
+            jax.tree.leaves(after.replica_params),
+            jax.tree.leaves(before.residual),
+            jax.tree.leaves(after.residual),
+            masks,
+            frags.labels,
+        )
+        for g, r, e0, e1, mask, labels in leaves:
+            g, r, e0, e1 = map(np.asarray, (g, r, e0, e1))
+            for rep in range(M):
+                np.testing.assert_array_equal(e1[rep][~mask], e0[rep][~mask])
+                if not mask.any():
+                    continue
+                # The replica's value after this step is its post-inner value on the
+                # sent fragment: with tau = 1 its merge comes one step later.
+                x = jnp.asarray(g - r[rep] + e0[rep])
+                recon = jax.vmap(q)(x) if labels.ndim else q(x)
+                expected = np.asarray(x - recon)
+                np.testing.assert_allclose(
+                    e1[rep][mask], expected[mask], rtol=1e-6, atol=1e-7
+                )
+                checked += 1
+        if sent.any():
+            assert any(
+                np.abs(np.asarray(e)).max() > 0 for e in jax.tree.leaves(after.residual)
+            )
+    assert checked >= 3 * M

@@ -43,8 +43,9 @@ def test_learns_below_unigram_entropy():
     # A real learning check: the held-out cross-entropy of theta_g falls well below the
     # corpus's unigram entropy (3.31 nats/byte), which a model ignoring context cannot.
     cfg = _tiny(
-        steps=300,
-        eval_every=300,
+        model="tiny-s",
+        steps=250,
+        eval_every=250,
         eval_batches=4,
         log_every=50,
         method={"sync_every": 20, "overlap": 1},
@@ -54,7 +55,7 @@ def test_learns_below_unigram_entropy():
     history = run(cfg, progress=False)
     entropy = history.summary["unigram_entropy_heldout"]
     assert 3.2 < entropy < 3.4
-    assert history.final_eval("global") < 0.85 * entropy
+    assert history.final_eval("global") < 0.8 * entropy
     assert history.summary["bits_total"] > 0
 
 
