@@ -74,6 +74,7 @@ def simulated_exchange(
     fragments: Fragments,
     deltas: list[Array],
     key: PRNGKeyArray,
+    sent: Bool[Array, " P"] | None = None,
 ) -> tuple[list[Array], list[Array]]:
     """The exchange with all replicas on one device (vmapped): compress, then average.
 
@@ -85,19 +86,32 @@ def simulated_exchange(
         fragments: the partition.
         deltas: each replica's outer gradient, one `[M, ...]` array per leaf.
         key: randomness for stochastic compressors.
+        sent: which fragments are being sent. Unused here: every fragment is computed
+            and the caller keeps the sent ones; a real exchange sends only those.
 
     Returns:
         The average over replicas of the reconstructed outer gradients (one `[...]`
         array per leaf, wide dtype), and each replica's own reconstruction `[M, ...]`
         (what error feedback subtracts).
     """
+    del sent
     recon = compress(compressor, fragments, deltas, key)
     return average(recon), recon
 
 
 def average(values: list[Array]) -> list[Array]:
-    """Mean over the replica axis, in the values' (wide) dtype (Alg. 2, l.8)."""
-    return [jnp.mean(v, axis=0) for v in values]
+    """Mean over the replica axis, in the values' (wide) dtype (Alg. 2, l.8).
+
+    Summed in replica order, then divided by M: a fixed order, so that an exchange
+    that gathers every replica's payload on every device reproduces it bitwise.
+    """
+    out = []
+    for v in values:
+        total = v[0]
+        for m in range(1, v.shape[0]):
+            total = total + v[m]
+        out.append(total / v.shape[0])
+    return out
 
 
 def nonfinite_fragments(fragments: Fragments, leaves: list[Array]) -> Bool[Array, " P"]:

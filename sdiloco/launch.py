@@ -14,8 +14,9 @@ iterators of `sdiloco.data`, assembled into global arrays with
 `jax.make_array_from_process_local_data`). The jitted step is the library's
 `streaming_diloco(...).step` with `exchange=distributed.sharded_exchange(mesh)`: the
 inner steps run where their replica lives, and a fragment sync all-gathers the packed
-4-bit payload. Process 0 prints the losses and the bytes each sync puts on the wire,
-and writes the final global parameters with `--out`.
+4-bit payload. Every process prints the losses and the bytes each fragment sync puts on
+the wire (read off the compiled program); process 0 writes the final global parameters
+with `--out`.
 
 On a real cluster: start one process per host with the same `--coordinator` (host 0's
 address) and `--num-processes`, and its own `--process-id` (or let
@@ -279,9 +280,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     try:
         pid = jax.process_index()
-        mesh = distributed.replica_mesh(
-            config.num_replicas or jax.device_count(), jax.devices()
-        )
+        mesh = distributed.replica_mesh(*_replica_devices(config.num_replicas))
 
         def log(line):
             print(f"[process {pid}] {line}", flush=True)
@@ -301,6 +300,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.coordinator is not None:
             jax.distributed.shutdown()
     return 0
+
+
+def _replica_devices(num_replicas: int | None) -> tuple[int, list]:
+    """M and the devices of the replica axis: all of them, or evenly strided ones.
+
+    With fewer replicas than devices (e.g. M = 2 on 2 hosts of 4 devices), replica m
+    lives on the first device of its block of `device_count / M` devices; the others
+    stay idle until a second mesh axis gives them work (see the module docstring).
+    """
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    m = num_replicas or len(devices)
+    if m < len(devices) and len(devices) % m == 0:
+        devices = devices[:: len(devices) // m]
+    return m, devices
 
 
 def _host(x):

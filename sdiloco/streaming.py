@@ -127,7 +127,7 @@ def streaming_diloco(
             replica, a failed round), "apply" (no check), "raise" (a runtime error).
         has_aux: whether `loss_fn` returns `(loss, aux)` with `aux` a dict of arrays.
         exchange: how replicas exchange outer gradients:
-            `exchange(compressor, fragments, deltas, key) -> (mean, own)`; the default
+            `exchange(compressor, fragments, deltas, key, sent) -> (mean, own)`; the default
             simulates all replicas on one device. `distributed.py` provides one that
             moves the packed low-bit payload between devices and hosts.
 
@@ -221,7 +221,7 @@ def streaming_diloco(
             if residual is not None:
                 deltas = [d + e for d, e in zip(deltas, residual)]
             key = jr.fold_in(state.key, t)
-            mean, recon = exchange(compressor, frags, deltas, key)
+            mean, recon = exchange(compressor, frags, deltas, key, sent)
             mask = frags.mask(sent)
             inflight = [jnp.where(m, x, old) for m, x, old in zip(mask, mean, inflight)]
             if residual is not None:

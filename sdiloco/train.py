@@ -13,6 +13,7 @@ import dataclasses
 import json
 import math
 import os
+import sys
 import time
 from typing import Any
 
@@ -200,12 +201,16 @@ def run(
             flush(step)
         if step % c.eval_every == 0 or step == c.steps:
             history.evals.append({"step": step, **evaluate(state)})
-            bar.write(
-                f"step {step}: "
-                + ", ".join(
-                    f"{k}={v:.4f}" for k, v in history.evals[-1].items() if k != "step"
+            if progress:  # beside the bar, on stderr: stdout stays for results
+                bar.write(
+                    f"step {step}: "
+                    + ", ".join(
+                        f"{k}={v:.4f}"
+                        for k, v in history.evals[-1].items()
+                        if k != "step"
+                    ),
+                    file=sys.stderr,
                 )
-            )
         bar.update(1)
         if ckpt is not None and c.checkpoint_every and step % c.checkpoint_every == 0:
             ckpt.save(step, state, iterators, _meta(history, totals))

@@ -103,7 +103,7 @@ def test_data_parallel_and_diloco_run(tmp_path):
 
 
 def test_cli(tmp_path, capsys):
-    tokens = np.random.default_rng(0).integers(0, 256, 20_000).astype(np.uint16)
+    tokens = np.random.default_rng(0).integers(0, 256, 100_000).astype(np.uint16)
     np.save(tmp_path / "tokens.npy", tokens)
     argv = [
         "train",

@@ -1,0 +1,421 @@
+"""Replicas sharded over devices and processes: the same results as the simulation.
+
+Numerics. In the exchange, every replica's reconstruction of every message is bitwise
+the simulation's (same quantizer, same keys, integer codes moved verbatim); the mean is
+the same `jnp.mean` of the same values, up to the summation order XLA picks (M - 1
+roundings). A whole sharded step is not bitwise: XLA:CPU compiles the per-device
+program (an `[M/D, ...]` slice of the replica axis, a size-1 axis squeezed away) with
+different dot kernels and operand layouts than the `[M, ...]` program, so the inner
+step differs by float32 rounding (a few ulp per step). Over the steps here the
+parameters agree to 1e-5 relative + 1e-6 absolute (measured: ~1e-7); a quantization
+code would only differ if a value sat within those ulps of a rounding boundary. The
+two-process run is bitwise the single-process sharded run (the same per-device
+program; an all-gather moves bytes exactly).
+"""
+
+import dataclasses
+import math
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+import distributed_worker
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import optax
+import portpicker
+import pytest
+from helpers import (
+    relaxed,
+    toy_batches,
+    toy_loss,
+    toy_params,
+    tree_allclose,
+    tree_equal,
+)
+from hypothesis import given, settings, strategies as st
+from jax.sharding import PartitionSpec
+
+import sdiloco
+from sdiloco import communication, distributed, launch
+
+
+M = 4
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def _frags(params):
+    # v (a whole leaf) is fragment 0; blocks' rows 0, 2 -> 1 and 1, 3 -> 2.
+    return sdiloco.fragments_by_layer(
+        params, blocks=lambda p: p["blocks"], layers_per_fragment=2
+    )
+
+
+def _streaming(params, exchange, **kw):
+    kw = {"compressor": "e3m0", **kw}
+    return sdiloco.streaming_diloco(
+        toy_loss,
+        inner=relaxed(optax.adamw(0.05)),
+        num_replicas=M,
+        sync_every=3,
+        fragments=_frags(params),
+        overlap=1,
+        alpha=0.5,
+        exchange=exchange,
+        **kw,
+    )
+
+
+def _host(tree):
+    return jax.tree.map(
+        lambda x: np.asarray(x) if isinstance(x, jax.Array) else x, tree
+    )
+
+
+# ------------------------------------------------------------------------ wire format
+
+
+@given(
+    n=st.sampled_from([0, 1, 7, 16]),
+    batch=st.sampled_from([(), (3,)]),
+    seed=st.integers(0, 2**16),
+)
+@settings(max_examples=10)
+def test_pack4_roundtrip(n, batch, seed):
+    codes = np.random.default_rng(seed).integers(0, 16, batch + (n,), dtype=np.uint8)
+    packed = jax.jit(distributed.pack4)(jnp.asarray(codes))
+    assert packed.dtype == jnp.uint8 and packed.shape == batch + ((n + 1) // 2,)
+    padded = np.concatenate([codes, np.zeros(batch + (n % 2,), np.uint8)], axis=-1)
+    expected = padded[..., 0::2] | (padded[..., 1::2] << 4)  # NumPy reference
+    np.testing.assert_array_equal(np.asarray(packed), expected)
+    unpacked = jax.jit(distributed.unpack4, static_argnums=1)(packed, n)
+    np.testing.assert_array_equal(np.asarray(unpacked), codes)
+
+
+# ----------------------------------------------------------------------- the exchange
+
+
+def _deltas(params, key):
+    leaves = jax.tree.leaves(params)
+    keys = jr.split(key, len(leaves))
+    scales = [1.0, 3.0, 0.01]
+    return [jr.normal(k, (M,) + x.shape) * s for k, x, s in zip(keys, leaves, scales)]
+
+
+class _Jitter(sdiloco.Compressor):
+    """A keyed compressor that is not a Quantizer: `x · (1 + u / 8)`, u ~ U[0, 1)."""
+
+    needs_key = True
+
+    def __call__(self, x, key=None):
+        return x * (1 + jr.uniform(key, x.shape, x.dtype) / 8)
+
+    def bits(self, shape):
+        return 32 * math.prod(shape)
+
+
+@pytest.mark.parametrize(
+    "compressor, devices",
+    [
+        (sdiloco.quantizer("e3m0", rounding="stochastic"), 4),
+        (sdiloco.quantizer("e3m0"), 2),  # two replicas per device
+        (sdiloco.quantizer("int4", granularity="row"), 4),
+        (sdiloco.quantizer("e4m3", granularity="block", block_size=5), 4),
+        (sdiloco.quantizer("bf16"), 4),
+        (None, 4),
+        (_Jitter(), 4),  # any other compressor: dense values on the wire
+    ],
+)
+def test_exchange_equals_the_simulation(compressor, devices):
+    params = toy_params(jr.key(0))
+    frags = _frags(params)
+    deltas = _deltas(params, jr.key(1))
+    key = jr.key_data(jr.key(2))
+    mesh = distributed.replica_mesh(M, jax.devices()[:devices])
+    exchange = distributed.sharded_exchange(mesh)
+    mean, own = jax.jit(exchange, static_argnums=(0, 1))(compressor, frags, deltas, key)
+    ref_mean, ref_own = jax.jit(
+        communication.simulated_exchange, static_argnums=(0, 1)
+    )(compressor, frags, deltas, key)
+    # What every replica reconstructs of every other's message is bitwise the same.
+    assert tree_equal(_host(own), _host(ref_own))
+    assert all(x.sharding.spec == PartitionSpec("replica") for x in own)
+    # The mean is the same `jnp.mean` of the same [M, ...] values, but XLA may fuse it
+    # with a different summation order: at most M - 1 roundings of partial sums.
+    for got, ref, values in zip(mean, ref_mean, ref_own):
+        bound = M * np.finfo(np.float32).eps * np.mean(np.abs(np.asarray(values)), 0)
+        assert np.all(np.abs(np.asarray(got) - np.asarray(ref)) <= bound)
+    if compressor is not None:  # the compressor did something
+        assert not tree_equal(_host(own), _host(deltas))
+
+
+def test_exchange_sends_only_the_selected_fragments():
+    params = toy_params(jr.key(0))
+    frags = _frags(params)
+    deltas = _deltas(params, jr.key(3))
+    key = jr.key_data(jr.key(4))
+    compressor = sdiloco.quantizer("e3m0")
+    exchange = distributed.sharded_exchange(distributed.replica_mesh(M))
+    sent = jnp.array([True, False, True])
+    fn = jax.jit(exchange, static_argnums=(0, 1))
+    compiled = fn.lower(compressor, frags, deltas, key, sent).compile()
+    mean, own = compiled(deltas, key, sent)
+    ref_mean, ref_own = communication.simulated_exchange(compressor, frags, deltas, key)
+    for got, ref, mask in zip(mean, ref_mean, frags.mask(sent)):
+        mask = np.broadcast_to(np.asarray(mask), got.shape)
+        np.testing.assert_array_equal(np.asarray(got)[mask], np.asarray(ref)[mask])
+        assert not np.asarray(got)[~mask].any()
+    for got, ref, mask in zip(own, ref_own, frags.mask(sent)):
+        mask = np.broadcast_to(np.asarray(mask)[None], got.shape)
+        np.testing.assert_array_equal(np.asarray(got)[mask], np.asarray(ref)[mask])
+    # Each fragment's all-gather sits in its own branch.
+    assert sorted(distributed.wire_bytes(compiled.as_text(), M)) == [0, 1, 2]
+
+
+# ---------------------------------------------------------------- the sharded step
+
+
+@pytest.fixture(scope="module")
+def sharded_run():
+    """e3m0 with error feedback, simulated and sharded over 4 devices (compiled once)."""
+    params = toy_params(jr.key(5))
+    batches = toy_batches(jr.key(6), steps=10, replicas=M)  # about 3H
+    mesh = distributed.replica_mesh(M)
+    kw = dict(error_feedback=True)
+    sim = _streaming(params, communication.simulated_exchange, **kw)
+    alg = _streaming(params, distributed.sharded_exchange(mesh), **kw)
+    ref_state = sim.init(params, jr.key(7))
+    state = distributed.shard_state(alg.init(params, jr.key(7)), mesh)
+    ref_step = eqx.filter_jit(sim.step)
+    compiled = (
+        distributed.sharded_step(alg.step, mesh)
+        .lower(state, distributed.shard_batch(batches[0], mesh, M))
+        .compile()
+    )
+    ref_metrics, metrics = [], []
+    for batch in batches:
+        ref_state, m = ref_step(ref_state, batch)
+        ref_metrics.append(m)
+        state, m = compiled(state, distributed.shard_batch(batch, mesh, M))
+        metrics.append(m)
+    return dict(
+        params=params,
+        alg=alg,
+        ref=(ref_state, ref_metrics),
+        sharded=(state, metrics),
+        text=compiled.compiled.as_text(),
+    )
+
+
+def test_sharded_step_equals_simulation(sharded_run):
+    ref_state, ref_metrics = sharded_run["ref"]
+    state, metrics = sharded_run["sharded"]
+    for a, b in zip(ref_metrics, metrics):
+        for name in ("sync/sent", "sync/applied", "sync/merged", "comm/bits"):
+            np.testing.assert_array_equal(np.asarray(a[name]), np.asarray(b[name]))
+    assert tree_allclose(_host(state), _host(ref_state), **TOL)
+    assert not tree_allclose(state.global_params, sharded_run["params"])
+    assert np.abs(np.asarray(ref_state.residual["v"])).max() > 0
+    # A fragment sent at the last step is still in flight (τ = 1).
+    assert int(state.step) in np.asarray(state.sent_at).tolist()
+    assert any(np.asarray(m["sync/applied"]).any() for m in metrics)
+    # The state kept its layout: replica leaves split, the rest replicated.
+    for x in jax.tree.leaves((state.replica_params, state.residual)):
+        assert x.sharding.spec == PartitionSpec("replica")
+    for x in jax.tree.leaves((state.global_params, state.inflight)):
+        assert x.sharding.is_fully_replicated
+
+
+def test_compiled_sync_all_gathers_the_packed_payload(sharded_run):
+    alg, params, text = sharded_run["alg"], sharded_run["params"], sharded_run["text"]
+    bits = alg.bits_per_fragment(params)
+    sizes = _frags(params).sizes()
+    wire = distributed.wire_bytes(text, M)
+    # One uint8 message per fragment: the 4-bit codes, two per byte, and the f32
+    # scales; exactly the accounting's bits, rounded up to a whole byte.
+    assert wire == {p: math.ceil(b / 8) for p, b in enumerate(bits)}
+    for p, n in enumerate(sizes):
+        assert wire[p] < 4 * n  # less than the fp32 fragment
+    # Nothing else of fragment size crosses the wire: no fp32 all-reduce/all-gather.
+    for c in distributed.collectives(text):
+        if c.dtype != "u8":
+            assert c.bytes_per_device < 4 * min(sizes), c
+
+
+# --------------------------------------------------------------------- Data-Parallel
+
+
+def test_data_parallel_sharded_all_reduces_gradients():
+    params = toy_params(jr.key(10))
+    mesh = distributed.replica_mesh(M)
+    dp = sdiloco.data_parallel(
+        toy_loss, inner=relaxed(optax.adamw(0.05)), num_replicas=M
+    )
+    batches = toy_batches(jr.key(11), steps=4, replicas=M)
+    ref_state, state = dp.init(params), distributed.shard_state(dp.init(params), mesh)
+    step = distributed.sharded_step(dp.step, mesh)
+    compiled = step.lower(state, distributed.shard_batch(batches[0], mesh, M)).compile()
+    ref_step = eqx.filter_jit(dp.step)
+    for batch in batches:
+        ref_state, _ = ref_step(ref_state, batch)
+        state, _ = compiled(state, distributed.shard_batch(batch, mesh, M))
+    assert tree_allclose(_host(state), _host(ref_state), **TOL)
+    reduced = {
+        c.shape
+        for c in distributed.collectives(compiled.compiled.as_text())
+        if c.kind == "all-reduce" and c.dtype == "f32"
+    }
+    assert {x.shape for x in jax.tree.leaves(params)} <= reduced
+
+
+# ------------------------------------------------------------------------ bad input
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="num_replicas"):
+        distributed.replica_mesh(3)
+    mesh = distributed.replica_mesh(M)
+    with pytest.raises(ValueError, match="not supported"):
+        distributed.state_shardings((1, 2), mesh)
+    with pytest.raises(ValueError, match="leading axis"):
+        distributed.shard_batch({"x": np.zeros((2, 3))}, mesh, M)
+    with pytest.raises(ValueError, match="do not fit"):
+        distributed.unpack4(jnp.zeros((2,), jnp.uint8), 5)
+    with pytest.raises(ValueError, match="compressor"):
+        launch.LaunchConfig(compressor="e9m9")
+    with pytest.raises(ValueError, match="steps"):
+        launch.LaunchConfig(steps=0)
+
+
+def test_process_replicas_single_process():
+    assert distributed.process_replicas(distributed.replica_mesh(M), M) == [0, 1, 2, 3]
+    mesh = distributed.replica_mesh(8, jax.devices()[:2])
+    assert distributed.process_replicas(mesh, 8) == list(range(8))
+
+
+# ---------------------------------------------------------------- multiple processes
+
+
+def _start(args, num_processes=2):
+    """Start `num_processes` processes `python args(i)` on one CPU device each."""
+    env = dict(
+        os.environ,
+        XLA_FLAGS="--xla_force_host_platform_device_count=1",
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
+    )
+    return [
+        subprocess.Popen(
+            [sys.executable, *args(i)],
+            env=env,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(num_processes)
+    ]
+
+
+def _wait(procs, deadline):
+    """Outputs of the processes; fails on a non-zero exit or past the deadline."""
+    outputs = []
+    for p in procs:
+        out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        outputs.append(out)
+    for p, out in zip(procs, outputs):
+        assert p.returncode == 0, out[-4000:]
+    return outputs
+
+
+def _kill(procs):
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def test_two_processes_equal_single_process(tmp_path):
+    port = portpicker.pick_unused_port()
+    out = tmp_path / "params.npz"
+    worker = str(ROOT / "tests" / "distributed_worker.py")
+    deadline = time.monotonic() + 180
+    procs = _start(lambda i: [worker, f"127.0.0.1:{port}", "2", str(i), str(out)])
+    try:
+        # The references, computed here while the two processes run.
+        mesh = distributed.replica_mesh(2, jax.devices()[:2])
+        sharded = distributed_worker._flat(distributed_worker.run_sharded(mesh))
+        alg, params, batches = distributed_worker.problem()
+        state = alg.init(params, jr.key(2))
+        step = eqx.filter_jit(alg.step)
+        for batch in batches:
+            state, _ = step(state, batch)
+        simulated = distributed_worker._flat(_host(state.global_params))
+        _wait(procs, deadline)
+    finally:
+        _kill(procs)
+    got = dict(np.load(out))
+    assert got.keys() == sharded.keys() == simulated.keys()
+    for k in got:
+        # Bitwise the single-process sharded run (one replica per device)...
+        np.testing.assert_array_equal(got[k], sharded[k])
+        # ...and, within float32 rounding, the vmapped single-device simulation.
+        np.testing.assert_allclose(got[k], simulated[k], **TOL)
+    assert not np.allclose(got["['v']"], np.asarray(params["v"]))
+
+
+@pytest.mark.slow
+def test_launch_two_processes(tmp_path):
+    # The documented entry point on a small transformer. Compiling its step takes
+    # ~30 s per process on two shared CPU cores, hence `slow`.
+    config = launch.LaunchConfig(
+        seq_len=16,
+        num_layers=2,
+        width=16,
+        global_batch_size=4,
+        steps=4,
+        sync_every=2,
+        layers_per_fragment=1,
+        num_replicas=2,
+    )
+    flags = [
+        f"--{f.name.replace('_', '-')}={getattr(config, f.name)}"
+        for f in dataclasses.fields(config)
+        if getattr(config, f.name) != f.default
+    ]
+    port = portpicker.pick_unused_port()
+    out = tmp_path / "params.npz"
+    deadline = time.monotonic() + 500
+    procs = _start(
+        lambda i: [
+            "-m",
+            "sdiloco.launch",
+            f"--coordinator=127.0.0.1:{port}",
+            "--num-processes=2",
+            f"--process-id={i}",
+            f"--out={out}",
+            *flags,
+        ]
+    )
+    try:
+        with jax.numpy_dtype_promotion("standard"), jax.numpy_rank_promotion("allow"):
+            ref = launch.run(config)  # the vmapped simulation, while they run
+        outputs = _wait(procs, deadline)
+    finally:
+        _kill(procs)
+    lines = [line for text in outputs for line in text.splitlines()]
+    digests = {line.split()[-1] for line in lines if "final_params_sha256" in line}
+    assert len(digests) == 1  # both processes end with the same θ_g
+    wire = [line for line in lines if "bytes per fragment on the wire" in line]
+    assert len(wire) == 2, lines
+    got = dict(np.load(out))
+    expected = launch.flat_params(ref.global_params)
+    assert got.keys() == expected.keys()
+    for k in got:
+        np.testing.assert_allclose(got[k], expected[k], rtol=1e-4, atol=1e-5)
