@@ -19,6 +19,7 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 from tqdm.auto import tqdm
@@ -149,7 +150,16 @@ def run(
             history.rows, history.evals = meta["rows"], meta["evals"]
             totals = meta["totals"]
     bits_table = [int(b) for b in r.algorithm.bits_per_fragment(r.model)]
-    step_fn = eqx.filter_jit(r.algorithm.step, donate="all-except-first")
+    # Donate the state (not the host batch): the step updates it in place. The state
+    # is first copied off the model's arrays, which `init` would otherwise alias.
+    state = jax.tree.map(lambda x: jnp.array(x) if eqx.is_array(x) else x, state)
+    donated = eqx.filter_jit(
+        lambda batch, state: r.algorithm.step(state, batch), donate="all-except-first"
+    )
+
+    def step_fn(state, batch):
+        return donated(batch, state)
+
     evaluate = _evaluator(r, c)
     tokens_per_step = c.data.global_batch_size * r.model_config.seq_len
     start_step = int(state.step)

@@ -1,0 +1,123 @@
+"""Helpers shared by the benchmark scripts: the machine, configs, batches, timing."""
+
+import os
+import platform
+import time
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sdiloco import config as config_lib, train
+
+
+def machine() -> str:
+    """One line naming the machine: CPU model, cores, load average, JAX backend."""
+    cpu = platform.processor() or "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    device = jax.devices()[0]
+    return (
+        f"{cpu}, nproc={os.cpu_count()}, load average (1/5/15 min) {load}; "
+        f"jax {jax.__version__} on {device.platform} ({device.device_kind})"
+    )
+
+
+def load() -> str:
+    """The load average now (1/5/15 minutes)."""
+    return ", ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def run_config(
+    preset: str,
+    *,
+    model: str = "tiny-s",
+    replicas: int = 2,
+    sync_every: int = 100,
+    global_batch: int = 16,
+    steps: int = 1000,
+    **method: Any,
+) -> config_lib.RunConfig:
+    """A preset's `RunConfig` with the knobs the benchmarks vary."""
+    method = {"num_replicas": replicas, **method}
+    if preset != "data_parallel":
+        method["sync_every"] = sync_every
+    return config_lib.preset(
+        preset,
+        model=model,
+        method=method,
+        data={"global_batch_size": global_batch},
+        steps=steps,
+    )
+
+
+def build(config: config_lib.RunConfig) -> train.Run:
+    """`sdiloco.train.build`, under the standard dtype promotion optax's Adam needs."""
+    with jax.numpy_dtype_promotion("standard"):
+        return train.build(config)
+
+
+def fresh(tree: Any) -> Any:
+    """A copy of every array of `tree`, so donating it cannot delete the model's arrays.
+
+    `alg.init(model)` keeps the model's own arrays as θ_g; a donated state would delete
+    them.
+    """
+    return jax.tree.map(
+        lambda x: jnp.array(x, copy=True) if eqx.is_array(x) else x, tree
+    )
+
+
+def random_batches(
+    num: int, replicas: int, global_batch: int, seq_len: int, *, seed: int = 0
+) -> list[dict[str, jax.Array]]:
+    """`num` batches of uniform byte tokens `[M, B/M, L]`, already on the device.
+
+    Random tokens cost the same FLOPs as text; the data pipeline is not what is timed.
+    """
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(num):
+        w = rng.integers(0, 256, (global_batch, seq_len + 1), dtype=np.int32)
+        shape = (replicas, global_batch // replicas, seq_len)
+        out.append(
+            {
+                "inputs": jnp.asarray(w[:, :-1].reshape(shape)),
+                "targets": jnp.asarray(w[:, 1:].reshape(shape)),
+            }
+        )
+    return out
+
+
+def jit_step(step: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    """`step(state, batch)` jitted once, donating the state (not the reusable batch).
+
+    Returns:
+        `f(state, batch) -> (state, metrics)`.
+    """
+    swapped = eqx.filter_jit(
+        lambda batch, state: step(state, batch), donate="all-except-first"
+    )
+
+    def f(state, batch):
+        with jax.numpy_dtype_promotion("standard"):
+            return swapped(batch, state)
+
+    return f
+
+
+def timed(f: Callable[[], Any]) -> tuple[Any, float, float]:
+    """`(f(), wall seconds, process CPU seconds)`, blocking until the result is ready."""
+    w0, c0 = time.perf_counter(), time.process_time()
+    out = jax.block_until_ready(f())
+    return out, time.perf_counter() - w0, time.process_time() - c0

@@ -1,0 +1,202 @@
+"""Memory: bytes of the training state, measured, against the analytic count and §2.5.
+
+Usage: `python -m benchmarks.memory [--model tiny-s] [--replicas 2]`
+
+Measured: the bytes of every array of `alg.init(model)`, part by part, for Streaming
+DiLoCo (overlapped FP4, the default preset), DiLoCo and Data-Parallel; and XLA's memory
+analysis of each compiled step (arguments, outputs, temporaries). Analytic: N
+parameters of b bytes, Adam's two moments, optax's int32 counters, and for Streaming
+the global copy, the outer Nesterov momentum and the in-flight buffer.
+
+The paper (§2.5, PAPER.md §1.10) counts per replica: Data-Parallel 3N (parameters and
+Adam), DiLoCo 5N (plus global parameters and outer momentum), i.e. 5/3. Our state also
+keeps `inflight`, the averaged outer gradient Δ̄ of the fragments in flight, as one
+full-model float32 copy (only the in-flight fragments' entries are meaningful): 6N,
+i.e. 2 = 6/3 of Data-Parallel. The simulated state holds all M replicas on one device
+and the shared parts once; "per replica" below is what one worker holds in a
+deployment: its replica and inner state, plus its own copy of the shared parts.
+"""
+
+import argparse
+from typing import Any
+
+import equinox as eqx
+import jax
+import numpy as np
+
+from benchmarks import _common
+from sdiloco import memory as memory_lib
+
+
+def nbytes(tree: Any) -> int:
+    """Bytes of the arrays of a pytree (its non-array leaves cost nothing)."""
+    return sum(int(x.nbytes) for x in jax.tree.leaves(tree) if eqx.is_array(x))
+
+
+def measured(state: Any) -> dict[str, int]:
+    """Bytes of each field of a state NamedTuple."""
+    return {name: nbytes(getattr(state, name)) for name in state._fields}
+
+
+def analytic(
+    num_params: int,
+    method: str,
+    *,
+    replicas: int,
+    num_fragments: int = 1,
+    bytes_per_value: int = 4,
+) -> dict[str, int]:
+    """The bytes each field should hold, counted from N (float32 parameters).
+
+    The inner optimizer is the presets' `clip_by_global_norm → adamw(schedule)`: two
+    moments per parameter and two int32 counters (Adam's and the schedule's) per
+    replica. The outer optimizer, SGD with Nesterov momentum, keeps one momentum per
+    parameter and no counter.
+    """
+    n = num_params * bytes_per_value
+    inner = 2 * n + 2 * 4
+    if method == "data_parallel":
+        return {"step": 4, "global_params": n, "inner_state": inner}
+    return {
+        "step": 4,
+        "global_params": n,
+        "outer_state": n,
+        "replica_params": replicas * n,
+        "inner_state": replicas * inner,
+        "inflight": num_params * 4,  # float32 (or wider) outer gradients
+        "sent_at": 4 * num_fragments,
+        "inflight_ok": num_fragments,
+        "residual": 0,
+        "key": 8,
+    }
+
+
+def per_replica(parts: dict[str, int], replicas: int) -> int:
+    """What one worker holds: 1/M of the replica-axis fields, all of the rest.
+
+    Data-Parallel's state has no replica axis: every worker holds all of it.
+    """
+    if "replica_params" not in parts:
+        return sum(parts.values())
+    shared = sum(v for k, v in parts.items() if k not in _REPLICA_FIELDS)
+    return shared + sum(parts[k] for k in _REPLICA_FIELDS) // replicas
+
+
+_REPLICA_FIELDS = ("replica_params", "inner_state", "residual")
+
+
+def step_memory(run: Any, state: Any) -> dict[str, int]:
+    """XLA's memory analysis of the compiled step (state donated, batch not)."""
+    batch = _common.random_batches(
+        1,
+        run.config.method.num_replicas,
+        run.config.data.global_batch_size,
+        run.model_config.seq_len,
+    )[0]
+    jitted = eqx.filter_jit(
+        lambda b, s: run.algorithm.step(s, b), donate="all-except-first"
+    )
+    with jax.numpy_dtype_promotion("standard"):
+        compiled = jitted.lower(batch, state).compile().compiled
+    m = compiled.memory_analysis()
+    return {
+        "arguments": int(m.argument_size_in_bytes),
+        "outputs": int(m.output_size_in_bytes),
+        "aliased": int(m.alias_size_in_bytes),
+        "temporaries": int(m.temp_size_in_bytes),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny-s")
+    parser.add_argument("--replicas", type=int, default=2)
+    args = parser.parse_args()
+    print(_common.machine())
+    M = args.replicas
+    rows = {}
+    for preset in ("streaming_overlap_fp4", "diloco", "data_parallel"):
+        config = _common.run_config(preset, model=args.model, replicas=M)
+        run = _common.build(config)
+        state = run.init_state()
+        n = sum(
+            int(np.prod(x.shape))
+            for x in jax.tree.leaves(eqx.filter(run.model, eqx.is_inexact_array))
+        )
+        p = len(run.algorithm.bits_per_fragment(run.model))
+        method = "data_parallel" if preset == "data_parallel" else "streaming"
+        rows[preset] = (
+            measured(state),
+            analytic(n, method, replicas=M, num_fragments=p),
+            step_memory(run, state),
+        )
+    print(f"model {args.model}: N = {n:,} float32 parameters, M = {M}\n")
+    fields = list(rows["streaming_overlap_fp4"][0])
+    print(
+        "| state field | " + " | ".join(f"{k} measured (analytic)" for k in rows) + " |"
+    )
+    print("|---|" + "---|" * len(rows))
+    for field in fields:
+        cells = []
+        for meas, ana, _ in rows.values():
+            cells.append(f"{meas[field]:,} ({ana[field]:,})" if field in meas else "-")
+        print(f"| {field} | " + " | ".join(cells) + " |")
+    totals = {k: (sum(m.values()), sum(a.values())) for k, (m, a, _) in rows.items()}
+    print(
+        "| **total (simulated, all M replicas)** | "
+        + " | ".join(f"{m:,} ({a:,})" for m, a in totals.values())
+        + " |"
+    )
+    per = {k: per_replica(m, M) for k, (m, _, _) in rows.items()}
+    dp = per["data_parallel"]
+    print(
+        "| **per replica (deployed)** | "
+        + " | ".join(f"{v:,} = {v / dp:.4f} × DP" for v in per.values())
+        + " |"
+    )
+    ours = per["streaming_overlap_fp4"]
+    print(
+        f"\nper replica ÷ Data-Parallel: ours {ours / dp:.4f} (6/3: the paper's 5 "
+        f"copies + the in-flight buffer); without the in-flight buffer "
+        f"{(ours - n * 4) / dp:.4f}; paper §2.5: "
+        f"{memory_lib.overhead_vs_data_parallel(n, 'diloco'):.4f} (5/3). "
+        f"sdiloco.memory (paper's count): "
+        f"{memory_lib.memory_footprint(n, 'diloco').hbm_bytes:,.0f} B; ours {ours:,} B"
+    )
+    print(
+        "\n| compiled step (XLA memory analysis, bytes) | arguments | outputs | "
+        "aliased (donated) | temporaries |"
+    )
+    print("|---|---|---|---|---|")
+    for k, (_, _, s) in rows.items():
+        print(
+            f"| {k} | {s['arguments']:,} | {s['outputs']:,} | {s['aliased']:,} | "
+            f"{s['temporaries']:,} |"
+        )
+    print()
+    print(paper_scale_table())
+    print(f"\nload average at the end: {_common.load()}")
+
+
+def paper_scale_table() -> str:
+    """Per-replica GiB at the paper's scales: §2.5's counts and ours (analytic)."""
+    gib = memory_lib.GIB
+    lines = [
+        "| N, layers | Data-Parallel (3N) | DiLoCo, paper (5N) | ours (6N) | "
+        "Streaming, paper, outer state offloaded | ours ÷ DP |",
+        "|---|---|---|---|---|---|",
+    ]
+    for n, layers in ((1.27e9, 24), (100e9, 108)):
+        dp = memory_lib.memory_footprint(n, "data_parallel").hbm_bytes
+        di = memory_lib.memory_footprint(n, "diloco").hbm_bytes
+        sd = memory_lib.memory_footprint(n, "streaming", num_layers=layers).hbm_bytes
+        ours = di + 4 * n
+        lines.append(
+            f"| {n:.3g}, {layers} | {dp / gib:,.1f} | {di / gib:,.1f} | "
+            f"{ours / gib:,.1f} | {sd / gib:,.1f} | {ours / dp:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
