@@ -272,7 +272,51 @@ class Quantizer(Compressor):
         return y.reshape(-1)[:numel].reshape(shape).astype(dtype)
 
 
-class FedDropout(Compressor):
+class _RandomSubset(Compressor):
+    """Keep a uniform random subset of `k = ceil((1 - rate) * n)` entries, zero the rest.
+
+    Receivers regenerate the subset from a 64-bit seed, so the wire carries the k kept
+    values as float32 plus the seed. Subclasses choose the factor of the kept values.
+    """
+
+    rate: eqx.AbstractVar[float]
+
+    def __check_init__(self):
+        _check_rate(type(self).__name__, self.rate)
+
+    @property
+    def needs_key(self) -> bool:
+        """Always true: the kept subset is random."""
+        return True
+
+    def bits(self, shape: tuple[int, ...]) -> int:
+        """Kept values x 32 + a 64-bit seed."""
+        return _kept(self.rate, math.prod(tuple(shape))) * _VALUE_BITS + _SEED_BITS
+
+    def _factor(self, n: int, k: int) -> float:
+        """What the kept values are multiplied by."""
+        return 1.0
+
+    def __call__(
+        self, x: Float[Array, "*shape"], key: PRNGKeyArray | None = None
+    ) -> Float[Array, "*shape"]:
+        """Zero all but a random subset of `k` entries, rescaled by `_factor(n, k)`."""
+        key = _check_key(self, key)
+        n = x.size
+        if n == 0:
+            return x
+        k = _kept(self.rate, n)
+        keep = _random_subset(key, n, k).reshape(x.shape)
+        factor = self._factor(n, k)
+        if factor == 1.0:
+            out = jnp.where(keep, x, jnp.zeros_like(x))
+        else:
+            xc = x.astype(_compute_dtype(x.dtype))
+            out = jnp.where(keep, xc * factor, jnp.zeros_like(xc)).astype(x.dtype)
+        return _pass_nonfinite(x, out)
+
+
+class FedDropout(_RandomSubset):
     """FedDropout (Wen et al., 2022): send a random subset, zero the rest, no rescale.
 
     Exactly `k = ceil((1 - rate) * n)` entries are kept: a uniform random subset drawn
@@ -285,31 +329,8 @@ class FedDropout(Compressor):
 
     rate: float = eqx.field(static=True)
 
-    def __check_init__(self):
-        _check_rate("FedDropout", self.rate)
 
-    @property
-    def needs_key(self) -> bool:
-        """Always true: the kept subset is random."""
-        return True
-
-    def bits(self, shape: tuple[int, ...]) -> int:
-        """Kept values x 32 + a 64-bit seed."""
-        return _kept(self.rate, math.prod(tuple(shape))) * _VALUE_BITS + _SEED_BITS
-
-    def __call__(
-        self, x: Float[Array, "*shape"], key: PRNGKeyArray | None = None
-    ) -> Float[Array, "*shape"]:
-        """Zero all but a random subset of `ceil((1 - rate) * n)` entries."""
-        key = _check_key(self, key)
-        n = x.size
-        if n == 0:
-            return x
-        keep = _random_subset(key, n, _kept(self.rate, n)).reshape(x.shape)
-        return _pass_nonfinite(x, jnp.where(keep, x, jnp.zeros_like(x)))
-
-
-class Dare(Compressor):
+class Dare(_RandomSubset):
     """DARE (Yu et al., 2024): drop a random subset and rescale the kept values.
 
     Exactly `k = ceil((1 - rate) * n)` entries are kept (a uniform random subset drawn
@@ -326,31 +347,9 @@ class Dare(Compressor):
 
     rate: float = eqx.field(static=True)
 
-    def __check_init__(self):
-        _check_rate("Dare", self.rate)
-
-    @property
-    def needs_key(self) -> bool:
-        """Always true: the kept subset is random."""
-        return True
-
-    def bits(self, shape: tuple[int, ...]) -> int:
-        """Kept values x 32 + a 64-bit seed."""
-        return _kept(self.rate, math.prod(tuple(shape))) * _VALUE_BITS + _SEED_BITS
-
-    def __call__(
-        self, x: Float[Array, "*shape"], key: PRNGKeyArray | None = None
-    ) -> Float[Array, "*shape"]:
-        """Keep a random subset of `k` entries and rescale them by `n / k`."""
-        key = _check_key(self, key)
-        n = x.size
-        if n == 0:
-            return x
-        k = _kept(self.rate, n)
-        keep = _random_subset(key, n, k).reshape(x.shape)
-        xc = x.astype(_compute_dtype(x.dtype))
-        out = jnp.where(keep, xc * (n / k), jnp.zeros_like(xc)).astype(x.dtype)
-        return _pass_nonfinite(x, out)
+    def _factor(self, n: int, k: int) -> float:
+        """`n / k`: unbiased for a fixed-size uniform subset."""
+        return n / k
 
 
 class TopK(Compressor):
