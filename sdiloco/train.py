@@ -140,8 +140,6 @@ def run(
     ckpt = None
     if out_dir is not None:
         os.makedirs(out_dir, exist_ok=True)
-        with open(os.path.join(out_dir, "config.json"), "w") as f:
-            f.write(c.to_json())
         ckpt = Checkpointer(
             os.path.join(out_dir, "checkpoints"), c.to_json(), c.keep_checkpoints
         )
@@ -149,6 +147,9 @@ def run(
             state, meta = ckpt.restore(state, iterators)
             history.rows, history.evals = meta["rows"], meta["evals"]
             totals = meta["totals"]
+        # Only now: a refused checkpoint leaves the directory's config.json as it was.
+        with open(os.path.join(out_dir, "config.json"), "w") as f:
+            f.write(c.to_json())
     bits_table = [int(b) for b in r.algorithm.bits_per_fragment(r.model)]
     # Donate the state (not the host batch): the step updates it in place. The state
     # is first copied off the model's arrays, which `init` would otherwise alias.

@@ -85,6 +85,7 @@ def test_bad_checkpoints(tmp_path):
     # Another config: refused, naming the differing field.
     with pytest.raises(CheckpointError, match="another config.*seed"):
         run(cfg.replace(seed=1), tmp_path, progress=False)
+    assert (tmp_path / "config.json").read_text() == cfg.to_json()  # left as it was
     # A partial checkpoint: refused, naming the missing item.
     shutil.rmtree(ckpt / "4" / "data_1")
     with pytest.raises(CheckpointError, match="partial.*data_1"):
