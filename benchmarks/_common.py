@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sdiloco import config as config_lib, train
+from sdiloco import config as config_lib, model as model_lib, train
+from sdiloco.inner import inner_steps
 
 
 def machine() -> str:
@@ -76,6 +77,24 @@ def fresh(tree: Any) -> Any:
     return jax.tree.map(
         lambda x: jnp.array(x, copy=True) if eqx.is_array(x) else x, tree
     )
+
+
+def inner_only(inner: Any) -> Callable[[Any, Any], tuple[Any, dict]]:
+    """A step of `sdiloco.inner.inner_steps` alone: Streaming with no sync machinery."""
+
+    def step(state, b):
+        replicas, inner_state, losses, _ = inner_steps(
+            model_lib.loss_with_aux,
+            inner,
+            True,
+            state.replica_params,
+            state.inner_state,
+            b,
+        )
+        state = state._replace(replica_params=replicas, inner_state=inner_state)
+        return state, {"loss/train": jnp.mean(losses)}
+
+    return step
 
 
 def random_batches(

@@ -20,11 +20,9 @@ import re
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 
 from benchmarks import _common, step_throughput
 from sdiloco import model as model_lib
-from sdiloco.inner import inner_steps
 
 
 def cost(fn, state, batch, *, donate: bool = True) -> dict[str, float]:
@@ -72,17 +70,7 @@ def main() -> None:
     flat = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), batch)
     plain_init, plain_step = step_throughput.plain_optax(model_lib.loss_with_aux, inner)
 
-    def inner_only(state, b):
-        replicas, inner_state, losses, _ = inner_steps(
-            model_lib.loss_with_aux,
-            inner,
-            True,
-            state.replica_params,
-            state.inner_state,
-            b,
-        )
-        state = state._replace(replica_params=replicas, inner_state=inner_state)
-        return state, {"loss/train": jnp.mean(losses)}
+    inner_only = _common.inner_only(inner)
 
     with jax.numpy_dtype_promotion("standard"):
         plain_state = plain_init(rs.model)
@@ -93,7 +81,7 @@ def main() -> None:
         "streaming, whole step (all branches)": cost(
             rs.algorithm.step, rs.init_state(), batch
         ),
-        "streaming, whole step, state not donated (as train.run)": cost(
+        "streaming, whole step, state not donated": cost(
             rs.algorithm.step, rs.init_state(), batch, donate=False
         ),
     }

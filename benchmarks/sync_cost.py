@@ -26,8 +26,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import _common, step_throughput
-from sdiloco import model as model_lib
-from sdiloco.inner import inner_steps
 from sdiloco.schedule import NEVER, default_first_send
 
 
@@ -86,19 +84,7 @@ def main() -> None:
             run.algorithm.step
         ),
     }
-    inner = config.inner.build(config.steps)
-
-    def inner_alone(state, b):
-        """`sdiloco.inner.inner_steps` only: a step with no sync machinery at all."""
-        replicas, inner_state, losses, _ = inner_steps(
-            model_lib.loss_with_aux,
-            inner,
-            True,
-            state.replica_params,
-            state.inner_state,
-            b,
-        )
-        return state._replace(replica_params=replicas, inner_state=inner_state), losses
+    inner_alone = _common.inner_only(config.inner.build(config.steps))
 
     jitted = {
         name: eqx.filter_jit(lambda s, b, f=f: f(s, b))
