@@ -6,10 +6,12 @@ compressors (`quantization.py`), the algorithm (`streaming.py`) and its Data-Par
 baseline (`data_parallel.py`).
 """
 
+from .analysis import outer_gradient_cosine as outer_gradient_cosine
 from .data_parallel import (
     DataParallelState as DataParallelState,
     data_parallel as data_parallel,
 )
+from .fedpart import freeze_unsynced as freeze_unsynced
 from .fragments import (
     Fragments as Fragments,
     fragments_by_layer as fragments_by_layer,

@@ -19,7 +19,9 @@ import optax
 from . import model as model_lib
 from .data_parallel import data_parallel
 from .fragments import fragments_by_layer
-from .quantization import FORMATS, quantizer
+from .fedpart import freeze_unsynced
+from .quantization import FORMATS, dare, fed_dropout, quantizer, top_k
+from .schedule import make_schedule
 from .streaming import NONFINITE_POLICIES, Algorithm, streaming_diloco
 
 
@@ -39,6 +41,7 @@ def _nonnegative_int(name: str, value: Any) -> None:
 
 
 METHODS = ("data_parallel", "diloco", "streaming")
+SPARSIFIERS = ("fed_dropout", "dare", "top_k")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,6 +142,14 @@ class MethodConfig:
     granularity: str = "tensor"
     rounding: str = "nearest"
     error_feedback: bool = False
+    sparsifier: str | None = None
+    """A value-dropping compressor instead of a quantizer (one of `SPARSIFIERS`; set
+    `quantizer=None`): FedDropout, DARE or Top-K (paper Fig. 11)."""
+    drop_rate: float = 0.5
+    """Fraction of the outer gradient's entries the `sparsifier` drops (Top-K keeps
+    the largest `1 - drop_rate`)."""
+    freeze_unsynced: bool = False
+    """FedPart-style: train only the fragment synchronised next (paper §3.3.1)."""
     nonfinite: str = "skip"
     outer: OuterConfig = dataclasses.field(default_factory=OuterConfig)
 
@@ -150,6 +161,26 @@ class MethodConfig:
         if self.quantizer is not None and self.quantizer not in FORMATS:
             raise ValueError(
                 f"MethodConfig.quantizer={self.quantizer!r}; allowed: {FORMATS} or None."
+            )
+        if self.sparsifier is not None:
+            if self.sparsifier not in SPARSIFIERS:
+                raise ValueError(
+                    f"MethodConfig.sparsifier={self.sparsifier!r}; allowed: "
+                    f"{SPARSIFIERS} or None."
+                )
+            if self.quantizer is not None:
+                raise ValueError(
+                    f"MethodConfig.sparsifier={self.sparsifier!r} with quantizer="
+                    f"{self.quantizer!r}; set quantizer=None to use a sparsifier."
+                )
+        if not 0 <= self.drop_rate < 1:
+            raise ValueError(
+                f"MethodConfig.drop_rate={self.drop_rate!r}; must be in [0, 1)."
+            )
+        if self.freeze_unsynced and self.method != "streaming":
+            raise ValueError(
+                f"MethodConfig.freeze_unsynced=True with method={self.method!r}; "
+                "freezing applies to method='streaming' only."
             )
         if self.nonfinite not in NONFINITE_POLICIES:
             raise ValueError(
@@ -194,6 +225,20 @@ class MethodConfig:
             q = quantizer(
                 self.quantizer, granularity=self.granularity, rounding=self.rounding
             )
+        if streaming and self.sparsifier is not None:
+            q = {
+                "fed_dropout": lambda: fed_dropout(self.drop_rate),
+                "dare": lambda: dare(self.drop_rate),
+                "top_k": lambda: top_k(1.0 - self.drop_rate),
+            }[self.sparsifier]()
+        if self.freeze_unsynced and fragments is not None:
+            schedule = make_schedule(
+                self.sync_every,
+                fragments.num_fragments,
+                self.num_replicas,
+                self.overlap,
+            )
+            inner = freeze_unsynced(inner, fragments, schedule)
         return streaming_diloco(
             loss_fn,
             inner=inner,

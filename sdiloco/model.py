@@ -168,15 +168,17 @@ def _tiny(width: int, layers: int, heads: int, seq_len: int) -> ModelConfig:
 
 
 TINY_SCALES: dict[str, ModelConfig] = {
-    "tiny-xs": _tiny(32, 6, 2, 64),  # 82,528 params
+    "tiny-xxs": _tiny(16, 6, 1, 64),  # 22,928 params
+    "tiny-xs": _tiny(32, 6, 2, 64),  # 82,528
     "tiny-s": _tiny(64, 6, 2, 64),  # 312,512
-    "tiny-m": _tiny(96, 6, 2, 128),  # 689,952
-    "tiny-l": _tiny(128, 6, 4, 128),  # 1,214,464
+    "tiny-m": _tiny(96, 6, 2, 64),  # 689,952
+    "tiny-l": _tiny(128, 6, 4, 64),  # 1,214,464
     "tiny-deep": _tiny(64, 12, 2, 128),  # 608,576; 4 fragments of 3 layers
 }
 """Byte-level (vocab 256) models small enough to train on two CPU cores. Like the
 paper's 35M model they have 6 layers (two fragments of 3 blocks plus the non-block
-fragment); the ladder spans 15x in parameters; tiny-deep has 12 layers for fragment
+fragment); the ladder shares a sequence length of 64 (so a step is the same tokens at
+every size) and spans 53x in parameters; tiny-deep has 12 layers for fragment
 ablations."""
 
 

@@ -15,6 +15,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
@@ -116,6 +117,7 @@ def run(
     resume: bool = True,
     stop_after: int | None = None,
     progress: bool = True,
+    callback: Callable[[int, Any, dict], Any] | None = None,
 ) -> History:
     """Train `config` and return its history.
 
@@ -127,6 +129,9 @@ def run(
         stop_after: stop (with a checkpoint) after this step, e.g. to split a run in
             parts; a later call with `resume=True` continues it exactly.
         progress: show a tqdm progress bar.
+        callback: `callback(step, state, metrics)` after every step, on device
+            values (e.g. `analysis.outer_gradient_cosine`). The state is donated to
+            the next step: copy what you keep, do not hold the state itself.
 
     Returns:
         The `History` (with the final state in `history.state`).
@@ -208,6 +213,8 @@ def run(
         batch = data_lib.stack_batches([next(it) for it in iterators])
         state, metrics = step_fn(state, batch)
         pending.append((step, metrics))
+        if callback is not None:
+            callback(step, state, metrics)
         if step % c.log_every == 0 or step == last:
             flush(step)
         if step % c.eval_every == 0 or step == c.steps:

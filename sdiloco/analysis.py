@@ -1,0 +1,54 @@
+"""Diagnostics of a run's state: how similar the replicas' outer gradients are.
+
+Streaming DiLoCo's Figs. 17-18 plot the cosine similarity between the replicas' outer
+gradients Δ_m = θ_g − θ_m over training, per fragment and per layer. `outer_gradient_cosine`
+computes it from a `StreamingState` for any partition: the run's own fragments, or
+`fragments_by_layer(..., layers_per_fragment=1)` for one value per layer (fragment 0 is
+then the non-block parameters).
+
+Read after a step that sent fragment p with τ >= 1, the state holds exactly the Δ_m
+that was sent (the merge and outer step come τ steps later); with τ = 0 they have already
+been applied, so read the state before the sending step instead.
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from .fragments import Fragments
+
+
+@eqx.filter_jit
+def outer_gradient_cosine(state, fragments: Fragments) -> Float[Array, " P"]:
+    """Mean over replica pairs of cos(Δ_a, Δ_b), restricted to each fragment.
+
+    Args:
+        state: a `StreamingState` with M >= 2 replicas.
+        fragments: the partition to report (need not be the run's own).
+
+    Returns:
+        `[P]` float32: the mean pairwise cosine similarity for each fragment (0 where a
+        fragment's Δ is zero on some replica).
+    """
+    g = jax.tree.leaves(eqx.filter(state.global_params, eqx.is_inexact_array))
+    r = jax.tree.leaves(eqx.filter(state.replica_params, eqx.is_inexact_array))
+    m = r[0].shape[0]
+    if m < 2:
+        raise ValueError(f"outer_gradient_cosine needs M >= 2 replicas; got M={m}.")
+    p = fragments.num_fragments
+    gram = jnp.zeros((p, m, m), jnp.float32)
+    for x_g, x_r, labels in zip(g, r, fragments.labels):
+        delta = (x_g[None] - x_r).astype(jnp.float32)  # [M, ...]
+        if labels.ndim == 0:
+            flat = delta.reshape(m, -1)
+            gram = gram.at[int(labels)].add(flat @ flat.T)
+        else:  # one label per row (layer) of a stacked leaf
+            rows = delta.reshape(m, delta.shape[1], -1)  # [M, L, n]
+            per_row = jnp.einsum("aln,bln->lab", rows, rows)
+            gram = gram.at[jnp.asarray(labels)].add(per_row)
+    norms = jnp.sqrt(jnp.diagonal(gram, axis1=1, axis2=2))  # [P, M]
+    denom = norms[:, :, None] * norms[:, None, :]
+    cos = jnp.where(denom > 0, gram / jnp.where(denom > 0, denom, 1.0), 0.0)
+    off = 1.0 - jnp.eye(m, dtype=jnp.float32)
+    return jnp.sum(cos * off, axis=(1, 2)) / (m * (m - 1))

@@ -1,0 +1,199 @@
+"""Learning experiments for the paper-figure notebooks: runs over seeds, cached, summarised.
+
+A notebook describes its comparison as named `RunConfig`s; `run_all` trains each over
+the requested seeds (`with_seed` sets the model seed and the data order) and returns one
+`Result` per (name, seed). Finished runs are cached on disk by the hash of their config
+(`$SDILOCO_RUN_CACHE`, default `runs/cache/` of the repository), so notebooks that share
+a run (e.g. Table 5 and Table 6) train it once and a re-run only trains what changed.
+FAST mode (`plotting.FAST`) never reads or writes the cache.
+
+`summarize` reduces results to mean ± standard deviation over seeds (plus min and max),
+which is what every learning table reports.
+"""
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import pathlib
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from . import train
+from .config import RunConfig, preset
+from .plotting import FAST, REPO_ROOT
+
+
+STEPS: int = 12 if FAST else 320
+"""Inner steps of a standard learning run (320 × 16 sequences × 64 bytes = 328k tokens)."""
+MODEL: str = "tiny-xs" if FAST else "tiny-s"
+"""The standard model (312,512 parameters; tiny-xs in FAST mode)."""
+H_FACTOR: float = 0.04 if FAST else 0.2
+"""Our runs are ~100x shorter than the paper's, so H is scaled: the paper's H = 100
+becomes 20 (16 rounds in 320 steps) and H = 30 becomes 6."""
+
+
+def paper_h(h: int) -> int:
+    """Our H for the paper's H (`round(h * H_FACTOR)`, at least 2)."""
+    return max(2, round(h * H_FACTOR))
+
+
+def setup(name: str, **changes: Any) -> RunConfig:
+    """A preset (`config.PRESETS`) at the standard small scale, then `changes`.
+
+    Sets the model (`MODEL`), `STEPS`, H = `paper_h(100)` for the DiLoCo family, a
+    warmup of a sixth of the steps, 8 evaluations per run (of 8 held-out batches, 2 in
+    FAST mode). `changes` override any of these (`inner`/`method`/`data` as dicts).
+    """
+    steps = changes.get("steps", STEPS)
+    base: dict[str, Any] = {
+        "model": MODEL,
+        "steps": steps,
+        "eval_every": max(1, steps // 8),
+        "eval_batches": 2 if FAST else 8,
+        "log_every": max(1, min(10, steps // 4)),
+        "inner": {"warmup_steps": max(1, steps // 6)},
+    }
+    if name != "data_parallel":
+        base["sync_every"] = changes.pop("sync_every", paper_h(100))
+    config = preset(name, **base)
+    return config.replace(**changes)
+
+
+@dataclasses.dataclass
+class Result:
+    """One finished run: its name in the comparison, its seed and what it produced."""
+
+    name: str
+    seed: int
+    config: RunConfig
+    evals: list[dict]
+    rows: list[dict]
+    summary: dict
+    extra: dict = dataclasses.field(default_factory=dict)
+    """What a callback collected (not cached)."""
+
+    def final(self, metric: str = "eval/global") -> float:
+        """The metric at the last evaluation."""
+        return float(self.evals[-1][metric])
+
+
+def enable_compile_cache(path: str | os.PathLike | None = None) -> None:
+    """Persist XLA compilations across runs and processes (seeds of one config share one).
+
+    Uses `$SDILOCO_JAX_CACHE` or `/tmp/sdiloco-jax-cache`.
+    """
+    path = path or os.environ.get("SDILOCO_JAX_CACHE", "/tmp/sdiloco-jax-cache")
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def with_seed(config: RunConfig, seed: int) -> RunConfig:
+    """`config` with model seed and data order both set from `seed`."""
+    return config.replace(seed=seed, data={"seed": seed})
+
+
+def cache_dir() -> pathlib.Path:
+    """Where finished runs are cached (`$SDILOCO_RUN_CACHE` or `runs/cache/`)."""
+    return pathlib.Path(os.environ.get("SDILOCO_RUN_CACHE", REPO_ROOT / "runs" / "cache"))
+
+
+def _key(config: RunConfig) -> str:
+    text = config.replace(name="").to_json()
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def run_one(
+    name: str,
+    config: RunConfig,
+    seed: int,
+    *,
+    callback_factory: Callable[[Any], tuple[Callable, Callable[[], dict]]] | None = None,
+    progress: bool = False,
+) -> Result:
+    """Train `config` with `seed` (or load it from the cache) and return its `Result`.
+
+    Args:
+        callback_factory: `factory(run) -> (callback, collect)`: `callback` goes to
+            `train.run`, `collect()` returns what it gathered (stored in
+            `Result.extra`). A run with a callback is never cached.
+    """
+    c = with_seed(config, seed)
+    use_cache = not FAST and callback_factory is None
+    path = cache_dir() / f"{_key(c)}.json"
+    if use_cache and path.exists():
+        d = json.loads(path.read_text())
+        return Result(name, seed, c, d["evals"], d["rows"], d["summary"])
+    callback, collect = None, dict
+    if callback_factory is not None:
+        callback, collect = callback_factory(train.build(c))
+    h = train.run(c, progress=progress, callback=callback)
+    if use_cache:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(h.to_dict()))
+        tmp.replace(path)  # never a partial cache entry
+    return Result(name, seed, c, h.evals, h.rows, h.summary, collect())
+
+
+def run_all(
+    configs: Mapping[str, RunConfig],
+    seeds: Sequence[int] | Mapping[str, Sequence[int]] = (0,),
+    **kwargs: Any,
+) -> list[Result]:
+    """Train every named config for every seed (seeds may differ per name)."""
+    enable_compile_cache()
+    out = []
+    for name, config in configs.items():
+        for seed in seeds[name] if isinstance(seeds, Mapping) else seeds:
+            out.append(run_one(name, config, seed, **kwargs))
+    return out
+
+
+def summarize(
+    results: Sequence[Result], metric: str = "eval/global"
+) -> dict[str, dict[str, float]]:
+    """Per name: mean, std (ddof=1; 0 for one seed), min, max and n of `metric`."""
+    by_name: dict[str, list[float]] = {}
+    for r in results:
+        by_name.setdefault(r.name, []).append(r.final(metric))
+    out = {}
+    for name, values in by_name.items():
+        v = np.asarray(values, np.float64)
+        out[name] = {
+            "mean": float(v.mean()),
+            "std": float(v.std(ddof=1)) if len(v) > 1 else 0.0,
+            "min": float(v.min()),
+            "max": float(v.max()),
+            "n": len(v),
+        }
+    return out
+
+
+def mean_pm(stats: Mapping[str, float], digits: int = 3) -> str:
+    """`"2.345 ± 0.012"` (or just the mean for one seed)."""
+    if stats["n"] > 1:
+        return f"{stats['mean']:.{digits}f} ± {stats['std']:.{digits}f}"
+    return f"{stats['mean']:.{digits}f}"
+
+
+def curve(
+    results: Sequence[Result], name: str, metric: str = "eval/global"
+) -> tuple[np.ndarray, np.ndarray]:
+    """Steps `[T]` and values `[seeds, T]` of an eval metric over training for `name`."""
+    runs = [r for r in results if r.name == name]
+    if not runs:
+        raise ValueError(f"no results named {name!r}.")
+    steps = np.asarray([e["step"] for e in runs[0].evals])
+    values = np.asarray([[e[metric] for e in r.evals] for r in runs], np.float64)
+    return steps, values
+
+
+def bits_per_byte(nats: float) -> float:
+    """Nats per byte (the corpus is byte-level) to bits per byte."""
+    return nats / math.log(2)

@@ -1,0 +1,131 @@
+"""Regenerate the paper's tables and figures: `python -m sdiloco.figures [NAME ...]`.
+
+Each artifact has a notebook under `notebooks/`, kept as a jupytext pair: the percent
+`.py` (what is edited and reviewed) and the `.ipynb` (what users open, with the outputs
+of its last full run). This command executes the notebooks with nbclient:
+
+- full mode (the default) writes the artifacts into `paper_figures/` and the executed
+  notebook, outputs included, back to `notebooks/<name>.ipynb`;
+- `--fast` (or `SDILOCO_FAST=1`) runs the same code on tiny settings in under a minute
+  each and writes into `runs/figures-fast/` (or `--out`), leaving the committed notebooks
+  and artifacts alone.
+
+NAME selects notebooks whose file name contains it (e.g. `fig08`, `table4`); none runs
+them all. `--jobs 2` runs two notebooks at a time. Wall times of full runs are recorded in
+`paper_figures/runtimes.json`.
+"""
+
+import argparse
+import concurrent.futures
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+from .plotting import REPO_ROOT
+
+
+NOTEBOOKS = REPO_ROOT / "notebooks"
+
+
+def notebooks(names: list[str] | None = None) -> list[pathlib.Path]:
+    """The notebooks' `.py` files, all or those whose stem contains one of `names`."""
+    found = sorted(NOTEBOOKS.glob("[a-z]*.py"))
+    if not names:
+        return found
+    chosen = [p for p in found if any(n in p.stem for n in names)]
+    unknown = [n for n in names if not any(n in p.stem for p in found)]
+    if unknown:
+        raise ValueError(
+            f"no notebook matches {unknown}; available: {[p.stem for p in found]}."
+        )
+    return chosen
+
+
+def execute(path: pathlib.Path, *, fast: bool, out_dir: pathlib.Path) -> float:
+    """Execute one notebook with nbclient; in full mode save it with its outputs."""
+    import jupytext
+    import nbclient
+
+    os.environ["SDILOCO_FAST"] = "1" if fast else "0"
+    os.environ["SDILOCO_FIGURES_DIR"] = str(out_dir)
+    nb = jupytext.read(path)
+    nb.metadata.setdefault("kernelspec", {}).update(
+        {"name": "python3", "display_name": "Python 3", "language": "python"}
+    )
+    start = time.perf_counter()
+    nbclient.NotebookClient(
+        nb,
+        timeout=None,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(path.parent)}},
+    ).execute()
+    wall = time.perf_counter() - start
+    if not fast:
+        jupytext.write(nb, path.with_suffix(".ipynb"))
+    return wall
+
+
+def _record(out_dir: pathlib.Path, name: str, wall: float) -> None:
+    path = out_dir / "runtimes.json"
+    times = json.loads(path.read_text()) if path.exists() else {}
+    times[name] = round(wall, 1)
+    path.write_text(json.dumps(dict(sorted(times.items())), indent=1) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m sdiloco.figures",
+        description="Regenerate the paper's tables and figures from notebooks/.",
+    )
+    p.add_argument("names", nargs="*", help="run only notebooks whose name contains these")
+    p.add_argument(
+        "--fast",
+        action="store_true",
+        default=os.environ.get("SDILOCO_FAST", "0") not in ("", "0"),
+        help="tiny settings, same code path (< 1 min per notebook on 2 CPU cores)",
+    )
+    p.add_argument("--out", help="output directory (default: paper_figures/, or runs/figures-fast/ with --fast)")
+    p.add_argument("--jobs", type=int, default=1, help="notebooks run at a time")
+    p.add_argument("--list", action="store_true", help="list the notebooks and exit")
+    args = p.parse_args(argv)
+    try:
+        paths = notebooks(args.names)
+    except ValueError as e:
+        p.error(str(e))
+    if args.list:
+        print("\n".join(x.stem for x in paths))
+        return 0
+    if args.jobs < 1:
+        p.error(f"--jobs={args.jobs}; must be >= 1.")
+    default = REPO_ROOT / ("runs/figures-fast" if args.fast else "paper_figures")
+    out_dir = pathlib.Path(args.out or default).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    def one(path: pathlib.Path) -> tuple[str, float, int]:
+        start = time.perf_counter()
+        if len(paths) == 1:
+            execute(path, fast=args.fast, out_dir=out_dir)
+            return path.stem, time.perf_counter() - start, 0
+        cmd = [sys.executable, "-m", "sdiloco.figures", path.stem, "--out", str(out_dir)]
+        rc = subprocess.run(cmd + (["--fast"] if args.fast else [])).returncode
+        return path.stem, time.perf_counter() - start, rc
+
+    failed = []
+    total = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+        for name, wall, rc in pool.map(one, paths):
+            status = "ok" if rc == 0 else f"FAILED (exit {rc})"
+            print(f"{name}: {status} in {wall:.0f} s", flush=True)
+            if rc:
+                failed.append(name)
+            elif not args.fast and len(paths) == 1:
+                _record(out_dir, name, wall)
+    print(f"{len(paths) - len(failed)}/{len(paths)} notebooks in {time.perf_counter() - total:.0f} s")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,207 @@
+"""Shared plotting and artifact writing for the paper-figure notebooks.
+
+Every notebook under `notebooks/` writes its artifact through this module, so that each
+artifact in `paper_figures/` comes with the same metadata and the same look:
+
+- `save_figure(fig, name, ...)` writes `<name>.png` and `<name>.json`;
+- `save_table(rows, name, ...)` writes `<name>.md` (the paper's layout), `<name>.csv`
+  and `<name>.json`.
+
+The JSON records the configuration, seeds, package versions, git commit, whether the
+notebook ran in FAST mode and how long it took. `FAST` (environment variable
+`SDILOCO_FAST=1`) selects the notebooks' small mode; `SDILOCO_FIGURES_DIR` redirects the
+output (the tests write to a temporary directory).
+"""
+
+import csv
+import dataclasses
+import datetime
+import importlib.metadata
+import json
+import os
+import pathlib
+import platform
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import matplotlib.pyplot as plt
+
+
+FAST: bool = os.environ.get("SDILOCO_FAST", "0") not in ("", "0", "false", "False")
+"""Whether notebooks run their small, same-code-path mode (`SDILOCO_FAST=1`)."""
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+METHOD_COLORS: dict[str, str] = {
+    "data_parallel": "tab:blue",
+    "diloco": "tab:orange",
+    "streaming": "tab:green",
+    "streaming_overlap": "tab:purple",
+    "streaming_overlap_fp4": "tab:red",
+}
+"""The paper's colours: Data-Parallel blue, DiLoCo orange, Streaming green, ours red."""
+
+_START = time.perf_counter()
+_PACKAGES = ("sdiloco", "jax", "jaxlib", "equinox", "optax", "numpy", "matplotlib")
+
+
+def output_dir() -> pathlib.Path:
+    """Where artifacts go: `$SDILOCO_FIGURES_DIR`, else `paper_figures/` of the repo."""
+    env = os.environ.get("SDILOCO_FIGURES_DIR")
+    path = pathlib.Path(env) if env else REPO_ROOT / "paper_figures"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def style() -> None:
+    """One look for every figure (called by the notebooks before plotting)."""
+    plt.rcParams.update(
+        {
+            "figure.dpi": 110,
+            "savefig.dpi": 130,
+            "figure.figsize": (6.4, 4.0),
+            "axes.grid": True,
+            "grid.alpha": 0.3,
+            "axes.spines.top": False,
+            "axes.spines.right": False,
+            "legend.frameon": False,
+            "font.size": 10,
+        }
+    )
+
+
+def git_commit() -> str:
+    """The repository's HEAD commit (with "+dirty" if the tree has changes), or "unknown"."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        return head + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def versions() -> dict[str, str]:
+    """Versions of the packages that produced an artifact."""
+    out = {"python": platform.python_version()}
+    for name in _PACKAGES:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = "not installed"
+    return out
+
+
+def _jsonable(x: Any) -> Any:
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return _jsonable(dataclasses.asdict(x))
+    if isinstance(x, Mapping):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_jsonable(v) for v in x]
+    if hasattr(x, "item") and getattr(x, "ndim", 1) == 0:
+        return x.item()
+    if hasattr(x, "tolist"):
+        return x.tolist()
+    if isinstance(x, str | int | float | bool) or x is None:
+        return x
+    return repr(x)
+
+
+def write_meta(
+    name: str,
+    *,
+    notebook: str,
+    config: Any = None,
+    seeds: Sequence[int] = (),
+    results: Any = None,
+    **extra: Any,
+) -> pathlib.Path:
+    """Write `<name>.json`: config, seeds, versions, commit, mode, wall time, results."""
+    meta = {
+        "artifact": name,
+        "notebook": notebook,
+        "fast_mode": FAST,
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "wall_s_since_import": round(time.perf_counter() - _START, 1),
+        "git_commit": git_commit(),
+        "versions": versions(),
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        "seeds": list(seeds),
+        "config": _jsonable(config),
+        "results": _jsonable(results),
+        **{k: _jsonable(v) for k, v in extra.items()},
+    }
+    path = output_dir() / f"{name}.json"
+    path.write_text(json.dumps(meta, indent=1) + "\n")
+    return path
+
+
+def save_figure(fig, name: str, **meta: Any) -> pathlib.Path:
+    """Save `fig` as `<name>.png` (plus `<name>.json`, see `write_meta`)."""
+    path = output_dir() / f"{name}.png"
+    fig.savefig(path, bbox_inches="tight")
+    write_meta(name, **meta)
+    return path
+
+
+def markdown_table(
+    rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | None = None
+) -> str:
+    """A GitHub Markdown table of `rows` (floats as written by `format_value`)."""
+    columns = list(columns or rows[0].keys())
+    lines = [
+        "| " + " | ".join(columns) + " |",
+        "|" + "|".join("---" for _ in columns) + "|",
+    ]
+    for r in rows:
+        lines.append("| " + " | ".join(format_value(r.get(c, "")) for c in columns) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def format_value(v: Any) -> str:
+    """Floats to 4 significant digits (3 decimals below 10); everything else `str`."""
+    if isinstance(v, float):
+        if v != v:
+            return "nan"
+        if abs(v) >= 1e5 or (0 < abs(v) < 1e-3):
+            return f"{v:.3g}"
+        return f"{v:.3f}" if abs(v) < 10 else f"{v:.1f}"
+    return str(v)
+
+
+def save_table(
+    rows: Sequence[Mapping[str, Any]],
+    name: str,
+    *,
+    columns: Sequence[str] | None = None,
+    title: str = "",
+    notes: str = "",
+    **meta: Any,
+) -> pathlib.Path:
+    """Write `<name>.md` (title, table, notes), `<name>.csv` and `<name>.json`."""
+    columns = list(columns or rows[0].keys())
+    md = (f"# {title}\n\n" if title else "") + markdown_table(rows, columns)
+    if notes:
+        md += "\n" + notes.strip() + "\n"
+    out = output_dir()
+    (out / f"{name}.md").write_text(md)
+    with open(out / f"{name}.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    write_meta(name, results=list(rows), **meta)
+    return out / f"{name}.md"

@@ -1,0 +1,91 @@
+"""The paper-figure notebooks: each runs in FAST mode and writes its artifacts; each
+`.ipynb` is in sync with its jupytext `.py`, holds the outputs of a full run, and is
+listed in `paper_figures/README.md`."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from sdiloco import figures
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+NOTEBOOKS = figures.notebooks()
+IDS = [p.stem for p in NOTEBOOKS]
+
+
+def test_there_are_notebooks():
+    assert len(NOTEBOOKS) >= 1
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
+def test_notebook_runs_fast_and_writes_artifacts(path, tmp_path):
+    env = dict(
+        os.environ,
+        SDILOCO_FAST="1",
+        SDILOCO_FIGURES_DIR=str(tmp_path / "figures"),
+        SDILOCO_RUN_CACHE=str(tmp_path / "cache"),
+        MPLBACKEND="Agg",
+    )
+    proc = subprocess.run(
+        [sys.executable, path.name],
+        cwd=path.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    written = sorted((tmp_path / "figures").iterdir())
+    metas = [json.loads(p.read_text()) for p in written if p.suffix == ".json"]
+    artifacts = [p for p in written if p.suffix in (".png", ".md")]
+    assert artifacts, f"{path.stem} wrote no figure or table"
+    assert metas and all(m["notebook"] == path.stem for m in metas)
+    assert all(m["fast_mode"] is True for m in metas)
+    for p in artifacts:  # every artifact has its metadata
+        assert p.with_suffix(".json").exists(), p.name
+    assert not (tmp_path / "cache").exists()  # FAST mode never caches runs
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
+def test_notebook_pair_in_sync_and_executed(path):
+    jupytext = pytest.importorskip("jupytext")
+    ipynb = path.with_suffix(".ipynb")
+    assert ipynb.exists(), f"{ipynb.name} is missing: run python -m sdiloco.figures {path.stem}"
+    py_cells = jupytext.read(path).cells
+    nb = jupytext.read(ipynb)
+    assert [(c.cell_type, c.source) for c in nb.cells] == [
+        (c.cell_type, c.source) for c in py_cells
+    ], f"{ipynb.name} and {path.name} differ: re-run python -m sdiloco.figures {path.stem}"
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert code and all(c.get("execution_count") for c in code), "not executed"
+    assert any(c.get("outputs") for c in code)
+    assert not any(
+        o.get("output_type") == "error" for c in code for o in c.get("outputs", [])
+    )
+
+
+def test_index_lists_every_notebook():
+    index = (ROOT / "paper_figures" / "README.md").read_text()
+    missing = [p.stem for p in NOTEBOOKS if p.stem not in index]
+    assert not missing, f"paper_figures/README.md does not mention {missing}"
+
+
+def test_committed_artifacts_are_full_mode():
+    for meta in (ROOT / "paper_figures").glob("*.json"):
+        if meta.name == "runtimes.json":
+            continue
+        d = json.loads(meta.read_text())
+        assert d["fast_mode"] is False, f"{meta.name} was written in FAST mode"
+        assert d["notebook"] in IDS, f"{meta.name} comes from an unknown notebook"
+
+
+def test_figures_cli_rejects_unknown_name(capsys):
+    with pytest.raises(SystemExit) as e:
+        figures.main(["no-such-notebook"])
+    assert e.value.code == 2
+    assert "no-such-notebook" in capsys.readouterr().err
