@@ -63,7 +63,10 @@ def sends(num_fragments: int, steps: int) -> np.ndarray:
     """[steps, P]: which fragments the schedule sends at t = 1..steps."""
     schedule = sdiloco.make_schedule(H, num_fragments, num_replicas=2)
     return np.stack(
-        [np.asarray(schedule.sent(jnp.asarray(t, jnp.int32))) for t in range(1, steps + 1)]
+        [
+            np.asarray(schedule.sent(jnp.asarray(t, jnp.int32)))
+            for t in range(1, steps + 1)
+        ]
     )
 
 
@@ -90,7 +93,9 @@ for ax, pattern in zip(axes, ("sequential", "strided")):
         extent=(0.5, steps + 0.5, LAYERS + 0.5, -0.5),
     )
     for row, frag in enumerate(labels):  # fragment colour key on the left margin
-        ax.add_patch(plt.Rectangle((-0.6, row - 0.5), 0.9, 1, color=cmap(frag), clip_on=False))
+        ax.add_patch(
+            plt.Rectangle((-0.6, row - 0.5), 0.9, 1, color=cmap(frag), clip_on=False)
+        )
     ax.set_xlim(-0.6, steps + 0.5)
     ax.set_title(f"{pattern}: {P} fragments")
     ax.set_xlabel(f"time (inner step; H = {H})")
@@ -105,7 +110,9 @@ for ax, pattern in zip(axes, ("sequential", "strided")):
             },
         }
     )
-axes[0].set_yticks(range(LAYERS + 1), ["Embeddings"] + [f"Layer {i}" for i in range(1, LAYERS + 1)])
+axes[0].set_yticks(
+    range(LAYERS + 1), ["Embeddings"] + [f"Layer {i}" for i in range(1, LAYERS + 1)]
+)
 axes[0].set_ylabel("layers")
 fig.suptitle("Fig. 2: which layers are synchronised when (colour = fragment)")
 fig.tight_layout()

@@ -292,7 +292,7 @@ ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1, 1))
 fig.tight_layout()
 plotting.save_figure(
     fig,
-    "memory_overhead",
+    "memory_overhead_state",
     notebook=NOTEBOOK,
     config={"models": MODELS},
     results=summary_rows,

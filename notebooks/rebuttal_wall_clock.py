@@ -192,7 +192,7 @@ ax.legend(fontsize=7)
 fig.tight_layout()
 plotting.save_figure(
     fig,
-    "rebuttal_wall_clock",
+    "rebuttal_wall_clock_plot",
     notebook=NOTEBOOK,
     config={"workload": WORKLOAD, "num_steps": STEPS, "bits_per_param": BITS["bf16"]},
     results=hours,

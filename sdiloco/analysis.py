@@ -51,4 +51,4 @@ def outer_gradient_cosine(state, fragments: Fragments) -> Float[Array, " P"]:
     denom = norms[:, :, None] * norms[:, None, :]
     cos = jnp.where(denom > 0, gram / jnp.where(denom > 0, denom, 1.0), 0.0)
     off = 1.0 - jnp.eye(m, dtype=jnp.float32)
-    return jnp.sum(cos * off, axis=(1, 2)) / (m * (m - 1))
+    return jnp.sum(cos * off[None], axis=(1, 2)) / (m * (m - 1))

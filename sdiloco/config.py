@@ -18,8 +18,8 @@ import optax
 
 from . import model as model_lib
 from .data_parallel import data_parallel
-from .fragments import fragments_by_layer
 from .fedpart import freeze_unsynced
+from .fragments import fragments_by_layer
 from .quantization import FORMATS, dare, fed_dropout, quantizer, top_k
 from .schedule import make_schedule
 from .streaming import NONFINITE_POLICIES, Algorithm, streaming_diloco

@@ -24,7 +24,9 @@ import jax
 import numpy as np
 
 from . import train
+from .analysis import outer_gradient_cosine
 from .config import RunConfig, preset
+from .fragments import fragments_by_layer
 from .plotting import FAST, REPO_ROOT
 
 
@@ -100,7 +102,9 @@ def with_seed(config: RunConfig, seed: int) -> RunConfig:
 
 def cache_dir() -> pathlib.Path:
     """Where finished runs are cached (`$SDILOCO_RUN_CACHE` or `runs/cache/`)."""
-    return pathlib.Path(os.environ.get("SDILOCO_RUN_CACHE", REPO_ROOT / "runs" / "cache"))
+    return pathlib.Path(
+        os.environ.get("SDILOCO_RUN_CACHE", REPO_ROOT / "runs" / "cache")
+    )
 
 
 def _key(config: RunConfig) -> str:
@@ -113,7 +117,8 @@ def run_one(
     config: RunConfig,
     seed: int,
     *,
-    callback_factory: Callable[[Any], tuple[Callable, Callable[[], dict]]] | None = None,
+    callback_factory: Callable[[Any], tuple[Callable, Callable[[], dict]]]
+    | None = None,
     progress: bool = False,
 ) -> Result:
     """Train `config` with `seed` (or load it from the cache) and return its `Result`.
@@ -194,6 +199,63 @@ def curve(
     return steps, values
 
 
+def bits_per_param_per_sync(config: RunConfig) -> float:
+    """Bits one replica sends per parameter to sync every fragment once (exact).
+
+    From the algorithm's own accounting (`Algorithm.bits_per_fragment`), so scales,
+    indices and seeds of the compressor are included; float32 gives 32.
+    """
+    r = train.build(config)
+    total = sum(int(b) for b in r.algorithm.bits_per_fragment(r.model))
+    return total / r.model_config.num_params()
+
+
 def bits_per_byte(nats: float) -> float:
     """Nats per byte (the corpus is byte-level) to bits per byte."""
     return nats / math.log(2)
+
+
+def cosine_callback(run: train.Run) -> tuple[Callable, Callable[[], dict]]:
+    """A `run_one` callback factory recording the replicas' outer-gradient cosine.
+
+    At every step that sends a fragment it records, for that fragment, the mean pairwise
+    cosine similarity of the replicas' Δ (`analysis.outer_gradient_cosine`) and the same
+    per transformer layer of the fragment. Needs τ >= 1 (see `analysis`).
+
+    Returns:
+        `(callback, collect)`; `collect()` gives `{"fragment": [(step, p, cos)],
+        "layer": [(step, layer, cos)]}` (layers 0-based; fragment 0 is the non-block
+        parameters).
+    """
+    method = run.config.method
+    if min(np.atleast_1d(method.overlap)) < 1:
+        raise ValueError(
+            f"cosine_callback needs overlap >= 1; got overlap={method.overlap!r}."
+        )
+    frags = fragments_by_layer(
+        run.model,
+        blocks=lambda m: m.blocks,
+        layers_per_fragment=method.layers_per_fragment,
+        pattern=method.pattern,
+    )
+    per_layer = fragments_by_layer(
+        run.model,
+        blocks=lambda m: m.blocks,
+        layers_per_fragment=1,
+        pattern="sequential",
+    )
+    layer_of = next(lab for lab in frags.labels if lab.ndim == 1)  # fragment per layer
+    out: dict[str, list] = {"fragment": [], "layer": []}
+
+    def callback(step: int, state: Any, metrics: dict) -> None:
+        sent = np.asarray(metrics["sync/sent"]).reshape(-1)
+        if not sent.any():
+            return
+        cos_f = np.asarray(outer_gradient_cosine(state, frags))
+        cos_l = np.asarray(outer_gradient_cosine(state, per_layer))
+        for p in np.flatnonzero(sent):
+            out["fragment"].append((step, int(p), float(cos_f[p])))
+            for layer in np.flatnonzero(layer_of == p):
+                out["layer"].append((step, int(layer), float(cos_l[layer + 1])))
+
+    return callback, lambda: out

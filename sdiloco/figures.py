@@ -80,14 +80,19 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m sdiloco.figures",
         description="Regenerate the paper's tables and figures from notebooks/.",
     )
-    p.add_argument("names", nargs="*", help="run only notebooks whose name contains these")
+    p.add_argument(
+        "names", nargs="*", help="run only notebooks whose name contains these"
+    )
     p.add_argument(
         "--fast",
         action="store_true",
         default=os.environ.get("SDILOCO_FAST", "0") not in ("", "0"),
         help="tiny settings, same code path (< 1 min per notebook on 2 CPU cores)",
     )
-    p.add_argument("--out", help="output directory (default: paper_figures/, or runs/figures-fast/ with --fast)")
+    p.add_argument(
+        "--out",
+        help="output directory (default: paper_figures/, or runs/figures-fast/ with --fast)",
+    )
     p.add_argument("--jobs", type=int, default=1, help="notebooks run at a time")
     p.add_argument("--list", action="store_true", help="list the notebooks and exit")
     args = p.parse_args(argv)
@@ -109,7 +114,14 @@ def main(argv: list[str] | None = None) -> int:
         if len(paths) == 1:
             execute(path, fast=args.fast, out_dir=out_dir)
             return path.stem, time.perf_counter() - start, 0
-        cmd = [sys.executable, "-m", "sdiloco.figures", path.stem, "--out", str(out_dir)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "sdiloco.figures",
+            path.stem,
+            "--out",
+            str(out_dir),
+        ]
         rc = subprocess.run(cmd + (["--fast"] if args.fast else [])).returncode
         return path.stem, time.perf_counter() - start, rc
 
@@ -123,7 +135,9 @@ def main(argv: list[str] | None = None) -> int:
                 failed.append(name)
             elif not args.fast and len(paths) == 1:
                 _record(out_dir, name, wall)
-    print(f"{len(paths) - len(failed)}/{len(paths)} notebooks in {time.perf_counter() - total:.0f} s")
+    print(
+        f"{len(paths) - len(failed)}/{len(paths)} notebooks in {time.perf_counter() - total:.0f} s"
+    )
     return 1 if failed else 0
 
 

@@ -168,7 +168,9 @@ def markdown_table(
         "|" + "|".join("---" for _ in columns) + "|",
     ]
     for r in rows:
-        lines.append("| " + " | ".join(format_value(r.get(c, "")) for c in columns) + " |")
+        lines.append(
+            "| " + " | ".join(format_value(r.get(c, "")) for c in columns) + " |"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -55,12 +55,16 @@ def test_notebook_runs_fast_and_writes_artifacts(path, tmp_path):
 def test_notebook_pair_in_sync_and_executed(path):
     jupytext = pytest.importorskip("jupytext")
     ipynb = path.with_suffix(".ipynb")
-    assert ipynb.exists(), f"{ipynb.name} is missing: run python -m sdiloco.figures {path.stem}"
+    assert ipynb.exists(), (
+        f"{ipynb.name} is missing: run python -m sdiloco.figures {path.stem}"
+    )
     py_cells = jupytext.read(path).cells
     nb = jupytext.read(ipynb)
     assert [(c.cell_type, c.source) for c in nb.cells] == [
         (c.cell_type, c.source) for c in py_cells
-    ], f"{ipynb.name} and {path.name} differ: re-run python -m sdiloco.figures {path.stem}"
+    ], (
+        f"{ipynb.name} and {path.name} differ: re-run python -m sdiloco.figures {path.stem}"
+    )
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert code and all(c.get("execution_count") for c in code), "not executed"
     assert any(c.get("outputs") for c in code)
