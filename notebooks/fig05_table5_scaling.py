@@ -138,7 +138,7 @@ for method in METHODS:
         marker="o",
         capsize=3,
         color=colors[method],
-        label=f"{method} (slope {slopes[method]:.3f})",
+        label=f"{method} (log-log slope {slopes[method]:.3f})",
     )
     rel = [
         100 * (stats[f"{method}|{s}"]["mean"] / stats[f"Data-Parallel|{s}"]["mean"] - 1)
@@ -146,9 +146,8 @@ for method in METHODS:
     ]
     axes[1].plot(f, rel, marker="o", color=colors[method], label=method)
 axes[0].set_xscale("log")
-axes[0].set_yscale("log")
 axes[0].set_xlabel("training flops (6 · N · tokens)")
-axes[0].set_ylabel("held-out loss (nats/byte, log)")
+axes[0].set_ylabel("held-out loss (nats/byte)")
 axes[0].set_title("(a) loss vs flops (mean ± std over seeds)")
 axes[0].legend(fontsize=8)
 axes[1].set_xscale("log")

@@ -71,7 +71,7 @@ for name, c in configs.items():
             "fragments P (incl. non-block)": 1 + 6 // int(k),
             "held-out loss (nats/byte)": round(stats[name]["mean"], 4),
             "peak bandwidth reduction (exact)": round(peak_reduction(c), 2),
-            "L / |p| (paper's formula)": round(6 / int(k), 2),
+            "L / layers per fragment (paper's formula)": round(6 / int(k), 2),
         }
     )
 plotting.save_table(

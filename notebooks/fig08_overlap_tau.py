@@ -51,6 +51,7 @@ stats = ex.summarize(results)
 dp = ex.summarize(baseline)["Data-Parallel"]
 
 # %%
+final = {(r.name, r.seed): r.final() for r in results + baseline}
 rows = []
 for tau in TAUS:
     row = {"tau": tau}
@@ -60,6 +61,10 @@ for tau in TAUS:
         row[f"loss, alpha={alpha}"] = ex.mean_pm(s)
         row[f"vs tau={TAUS[0]}, alpha={alpha} (%)"] = round(
             100 * (s["mean"] / ref - 1), 2
+        )
+        row[f"minus Data-Parallel, alpha={alpha}, paired by seed"] = ", ".join(
+            f"{final[f'tau={tau}|alpha={alpha}', seed] - final['Data-Parallel', seed]:+.3f}"
+            for seed in SEEDS
         )
     rows.append(row)
 rows.append({"tau": "Data-Parallel", f"loss, alpha={ALPHAS[0]}": ex.mean_pm(dp)})

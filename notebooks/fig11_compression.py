@@ -58,6 +58,15 @@ bits = {name: ex.bits_per_param_per_sync(c) for name, c in configs.items()}
 
 
 # %%
+REF = next(iter(configs))  # FP32 (FP4 in FAST mode)
+
+
+def paired(name: str) -> list[float]:
+    """Final loss of `name` minus the reference's, seed by seed."""
+    final = {(r.name, r.seed): r.final() for r in results}
+    return [final[name, s] - final[REF, s] for s in SEEDS]
+
+
 rows = []
 for name in configs:
     family, _, rate = name.partition("|")
@@ -67,6 +76,9 @@ for name in configs:
             "drop rate": float(rate) if rate else 0.0,
             "bits per parameter per sync": round(bits[name], 3),
             "held-out loss (nats/byte)": ex.mean_pm(stats[name]),
+            f"minus {REF}, paired by seed": ", ".join(
+                f"{d:+.3f}" for d in paired(name)
+            ),
             "_mean": stats[name]["mean"],
             "_std": stats[name]["std"],
         }

@@ -19,7 +19,7 @@
 # will see replicas drifting apart … while Streaming DiLoCo has similar behavior as
 # DiLoCo when H increases, it is more robust to low values of H."
 #
-# **Here.** `tiny-s`, M = 2, 320 steps, H ∈ {5, 10, 20, 40, 80}; DiLoCo (whole model,
+# **Here.** `tiny-s`, M = 2, 320 steps, H ∈ {5, 20, 80} (64, 16 and 4 rounds); DiLoCo (whole model,
 # float32) against Streaming DiLoCo (3-layer strided fragments, float32, no overlap, so
 # that only the fragmenting differs), one seed; Data-Parallel as the reference.
 
@@ -31,7 +31,7 @@ from sdiloco import experiments as ex, plotting
 
 plotting.style()
 NOTEBOOK = "fig13_sync_every"
-HS = (4,) if plotting.FAST else (5, 10, 20, 40, 80)
+HS = (4,) if plotting.FAST else (5, 20, 80)
 METHODS = {"DiLoCo": "diloco", "Streaming DiLoCo": "streaming"}
 SEEDS = (0,)
 

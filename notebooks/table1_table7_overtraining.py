@@ -123,7 +123,7 @@ plotting.save_table(
     notes=(
         f"Ours: tiny-s on Shakespeare, mean ± std over seeds {list(SEEDS)}; held-out loss in nats "
         "per byte. Hours: simulator at the paper's 1B scale. Bytes: exact counts of one replica's "
-        "sends in our runs (Data-Parallel: a float32 gradient every step; ours: E3M0 outer gradients, "
+        "sends in our runs (Data-Parallel: a bf16 gradient every step, the paper's accounting; ours: E3M0 outer gradients, "
         "one fragment every H/P steps, H = 20)."
     ),
     notebook=NOTEBOOK,
