@@ -19,7 +19,7 @@ import optax
 from . import model as model_lib
 from .data_parallel import data_parallel
 from .fedpart import freeze_unsynced
-from .fragments import fragments_by_layer
+from .fragments import Fragments, fragments_by_layer
 from .quantization import FORMATS, dare, fed_dropout, quantizer, top_k
 from .schedule import make_schedule
 from .streaming import NONFINITE_POLICIES, Algorithm, streaming_diloco
@@ -194,6 +194,16 @@ class MethodConfig:
         if self.method != "data_parallel":
             self.build(lambda p, b: 0.0, optax.sgd(0.0), None)
 
+    def fragments(self, model: Any) -> Fragments:
+        """The fragments of `model` (stacked `blocks`) for this config's layers per
+        fragment and pattern; the non-block parameters are fragment 0."""
+        return fragments_by_layer(
+            model,
+            blocks=lambda m: m.blocks,
+            layers_per_fragment=self.layers_per_fragment,
+            pattern=self.pattern,
+        )
+
     def build(
         self,
         loss_fn: Callable[..., Any],
@@ -212,14 +222,7 @@ class MethodConfig:
                 loss_fn, inner=inner, num_replicas=self.num_replicas, has_aux=has_aux
             )
         streaming = self.method == "streaming"
-        fragments = None
-        if streaming and model is not None:
-            fragments = fragments_by_layer(
-                model,
-                blocks=lambda m: m.blocks,
-                layers_per_fragment=self.layers_per_fragment,
-                pattern=self.pattern,
-            )
+        fragments = self.fragments(model) if streaming and model is not None else None
         q = None
         if streaming and self.quantizer is not None:
             q = quantizer(

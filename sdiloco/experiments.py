@@ -27,6 +27,7 @@ from . import train
 from .analysis import outer_gradient_cosine
 from .config import RunConfig, preset
 from .fragments import fragments_by_layer
+from .model import preset as preset_model
 from .plotting import FAST, REPO_ROOT
 
 
@@ -199,15 +200,20 @@ def curve(
     return steps, values
 
 
-def bits_per_param_per_sync(config: RunConfig) -> float:
-    """Bits one replica sends per parameter to sync every fragment once (exact).
+def bits_per_fragment(config: RunConfig) -> list[int]:
+    """Bits one replica sends to sync each fragment once (exact Python ints).
 
-    From the algorithm's own accounting (`Algorithm.bits_per_fragment`), so scales,
-    indices and seeds of the compressor are included; float32 gives 32.
+    The algorithm's own accounting (`Algorithm.bits_per_fragment`), so scales, indices
+    and seeds of the compressor are included.
     """
     r = train.build(config)
-    total = sum(int(b) for b in r.algorithm.bits_per_fragment(r.model))
-    return total / r.model_config.num_params()
+    return [int(b) for b in r.algorithm.bits_per_fragment(r.model)]
+
+
+def bits_per_param_per_sync(config: RunConfig) -> float:
+    """Bits one replica sends per parameter to sync every fragment once (float32: 32)."""
+    num_params = preset_model(config.model).num_params()
+    return sum(bits_per_fragment(config)) / num_params
 
 
 def bits_per_byte(nats: float) -> float:
@@ -232,12 +238,7 @@ def cosine_callback(run: train.Run) -> tuple[Callable, Callable[[], dict]]:
         raise ValueError(
             f"cosine_callback needs overlap >= 1; got overlap={method.overlap!r}."
         )
-    frags = fragments_by_layer(
-        run.model,
-        blocks=lambda m: m.blocks,
-        layers_per_fragment=method.layers_per_fragment,
-        pattern=method.pattern,
-    )
+    frags = method.fragments(run.model)
     per_layer = fragments_by_layer(
         run.model,
         blocks=lambda m: m.blocks,
