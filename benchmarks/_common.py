@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sdiloco import config as config_lib, model as model_lib, train
 from sdiloco.inner import inner_steps
+from sdiloco.lab import config as config_lib, model as model_lib, train
 
 
 def machine() -> str:
@@ -63,7 +63,7 @@ def run_config(
 
 
 def build(config: config_lib.RunConfig) -> train.Run:
-    """`sdiloco.train.build`, under the standard dtype promotion optax's Adam needs."""
+    """`sdiloco.lab.train.build`, under the standard dtype promotion optax's Adam needs."""
     with jax.numpy_dtype_promotion("standard"):
         return train.build(config)
 

@@ -30,8 +30,8 @@ import numpy as np
 import optax
 
 from benchmarks import _common, compile_count
-from sdiloco import config as config_lib, model as model_lib
 from sdiloco.fragments import fragments_by_layer
+from sdiloco.lab import config as config_lib, model as model_lib
 from sdiloco.schedule import make_schedule
 
 

@@ -2,7 +2,7 @@
 
 Usage: `python -m benchmarks.compile_count [--model tiny-s] [--sync-every 10]`
 
-The step runs as `sdiloco.train.run` runs it (one jitted step, batches from the grain
+The step runs as `sdiloco.lab.train.run` runs it (one jitted step, batches from the grain
 iterators, stacked on the host) for `--periods` × H steps, long enough that every
 fragment is sent and arrives at least twice. Three counters must all read one:
 
@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from benchmarks import _common
-from sdiloco import data as data_lib
+from sdiloco.lab import data as data_lib
 
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"

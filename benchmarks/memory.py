@@ -25,7 +25,7 @@ import jax
 import numpy as np
 
 from benchmarks import _common
-from sdiloco import memory as memory_lib
+from sdiloco.sim import memory as memory_lib
 
 
 def nbytes(tree: Any) -> int:
@@ -160,7 +160,7 @@ def main() -> None:
         f"copies + the in-flight buffer); without the in-flight buffer "
         f"{(ours - n * 4) / dp:.4f}; paper §2.5: "
         f"{memory_lib.overhead_vs_data_parallel(n, 'diloco'):.4f} (5/3). "
-        f"sdiloco.memory (paper's count): "
+        f"sdiloco.sim.memory (paper's count): "
         f"{memory_lib.memory_footprint(n, 'diloco').hbm_bytes:,.0f} B; ours {ours:,} B"
     )
     print(

@@ -22,7 +22,7 @@ import equinox as eqx
 import jax
 
 from benchmarks import _common, step_throughput
-from sdiloco import model as model_lib
+from sdiloco.lab import model as model_lib
 
 
 def cost(fn, state, batch, *, donate: bool = True) -> dict[str, float]:

@@ -6,13 +6,13 @@ Three programs train the same model on the same global batch of `B × L` tokens 
 step, each one `eqx.filter_jit` region with the state donated:
 
 - **streaming**: Streaming DiLoCo with overlapped FP4 communication (M = 2, 3 layers
-  per fragment strided, τ = 1, α = 0.5, E3M0), `sdiloco.config`'s preset;
+  per fragment strided, τ = 1, α = 0.5, E3M0), `sdiloco.lab.config`'s preset;
 - **data_parallel**: Data-Parallel with the same M and inner optimizer;
 - **plain**: one model and `config.inner.build(steps)` (the identical optax chain) on
   the `[B, L]` batch, with no replica axis at all.
 
 A fourth, **streaming+fast_rounding**, is the streaming step traced with the proposed
-change to `sdiloco.quantization._round_nearest` (`round_nearest_compare_all`).
+change to `sdiloco.quantizers._round_nearest` (`round_nearest_compare_all`).
 
 They run interleaved, `--per-round` steps each per round (in alternating order), every
 step timed on its own (blocking), so all see the same load. A streaming step is
@@ -41,7 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import _common
-from sdiloco import model as model_lib, quantization
+from sdiloco.compression import quantizers
+from sdiloco.lab import model as model_lib
 
 
 @dataclasses.dataclass
@@ -85,7 +86,7 @@ def plain_optax(loss_fn: Callable[..., Any], inner: Any) -> tuple[Callable, Call
 
 
 def round_nearest_compare_all(a: jax.Array, mags: np.ndarray) -> jax.Array:
-    """The proposed `sdiloco.quantization._round_nearest`: bitwise the same codes.
+    """The proposed `sdiloco.quantizers._round_nearest`: bitwise the same codes.
 
     The only change is `method=` of `jnp.searchsorted`: the default ("scan") is a
     loop of gathers; comparing against every midpoint is ~3-4x faster on XLA:CPU for
@@ -107,12 +108,12 @@ def with_fast_rounding(step: Callable) -> Callable:
     """
 
     def patched(state, batch):
-        original = quantization._round_nearest
-        quantization._round_nearest = round_nearest_compare_all
+        original = quantizers._round_nearest
+        quantizers._round_nearest = round_nearest_compare_all
         try:
             return step(state, batch)
         finally:
-            quantization._round_nearest = original
+            quantizers._round_nearest = original
 
     return patched
 

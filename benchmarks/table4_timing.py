@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 
-import sdiloco.utilization as ut
+import sdiloco.sim.utilization as ut
 
 
 PAPER_TABLE4_1B = {

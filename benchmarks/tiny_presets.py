@@ -17,8 +17,8 @@ import equinox as eqx
 import jax
 import numpy as np
 
-from sdiloco import config as config_lib, data as data_lib, model as model_lib
-from sdiloco.train import build
+from sdiloco.lab import config as config_lib, data as data_lib, model as model_lib
+from sdiloco.lab.train import build
 
 
 def measure(preset: str, model: str, steps: int, batch: int) -> dict:

@@ -25,7 +25,7 @@
 # whose send comes next is updated).
 
 # %%
-from sdiloco import experiments as ex, plotting
+from sdiloco.paper import experiments as ex, plotting
 
 
 NOTEBOOK = "fedpart_freezing"

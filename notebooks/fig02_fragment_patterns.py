@@ -33,7 +33,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 import sdiloco
-from sdiloco import model as model_lib, plotting
+from sdiloco.lab import model as model_lib
+from sdiloco.paper import plotting
 
 
 plotting.style()

@@ -27,7 +27,7 @@
 # no numbers for these drawings.
 #
 # **Here.** Every box is an event of the library's simulator trace
-# (`sdiloco.utilization.simulate(..., )`'s `SimResult.trace`): forward blue, backward
+# (`sdiloco.sim.utilization.simulate(..., )`'s `SimResult.trace`): forward blue, backward
 # green (the simulator lumps backward w.r.t. activations and parameters into one node
 # per layer, 2/3 of the step), reduction purple on a separate network lane. The
 # workload is small so the picture is legible: step time 1 s of pure compute, 2 layers
@@ -41,8 +41,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.patches import Patch
 
-import sdiloco.utilization as ut
-from sdiloco import plotting
+import sdiloco.sim.utilization as ut
+from sdiloco.paper import plotting
 
 
 plotting.style()

@@ -27,7 +27,7 @@
 # Data-Parallel needs "100, 200, and 300 Gbit/s"; the text adds that with overlap the
 # required bandwidth *drops* as the model grows (longer steps hide more transfer).
 #
-# **Here.** The library's simulator (`sdiloco.utilization`, PAPER.md §5.2: a
+# **Here.** The library's simulator (`sdiloco.sim.utilization`, PAPER.md §5.2: a
 # per-layer DAG of forwards, backwards and FIFO reductions, 13.4 bits per parameter,
 # FP4 = 13.4 / 4, latency 0) is run for the paper's three workloads and its five
 # methods (`table4_methods`). Table 4 is read off the paper's bandwidth grid
@@ -40,8 +40,8 @@
 import matplotlib.pyplot as plt
 import numpy as np
 
-import sdiloco.utilization as ut
-from sdiloco import plotting
+import sdiloco.sim.utilization as ut
+from sdiloco.paper import plotting
 
 
 plotting.style()
@@ -189,7 +189,7 @@ plotting.save_table(
     "table4_bandwidth",
     title="Table 4: Gbit/s to reach a compute utilization CU, ours (paper)",
     notes=(
-        "Ours: `sdiloco.utilization.bandwidth_table` on the paper's grid "
+        "Ours: `sdiloco.sim.utilization.bandwidth_table` on the paper's grid "
         "(logspace(-1, 3, 50) Gbit/s), 13.4 bits/param (FP4: /4), latency 0, "
         "H = 100, 3 layers/fragment strided, τ = 1. Paper values in brackets (1B "
         "only); the paper's 10B and 100B rows are held out of our copy, so only our "

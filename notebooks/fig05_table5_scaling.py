@@ -32,7 +32,8 @@
 import matplotlib.pyplot as plt
 import numpy as np
 
-from sdiloco import experiments as ex, model as model_lib, plotting
+from sdiloco.lab import model as model_lib
+from sdiloco.paper import experiments as ex, plotting
 
 
 plotting.style()

@@ -29,7 +29,7 @@
 #   to 100 % compute utilization with 4 Gbits per second vs 1 Tbit per second for
 #   Data-Parallel".
 #
-# **Here.** The library's simulator (`sdiloco.utilization`, PAPER.md §5.2; 13.4 bits
+# **Here.** The library's simulator (`sdiloco.sim.utilization`, PAPER.md §5.2; 13.4 bits
 # per parameter, FP4 = 13.4 / 4, latency 0, H = 100, 3 layers per fragment, τ = 1
 # unless swept) for the same workloads. The paper does not state the methods of
 # Figs. 7 and 9: we show Streaming DiLoCo without and with overlap (τ = 1) for Fig. 7,
@@ -46,8 +46,8 @@ import dataclasses
 import matplotlib.pyplot as plt
 import numpy as np
 
-import sdiloco.utilization as ut
-from sdiloco import plotting
+import sdiloco.sim.utilization as ut
+from sdiloco.paper import plotting
 
 
 plotting.style()
@@ -406,7 +406,7 @@ plotting.save_table(
     "simulations_claims",
     title="Figs. 7, 9, 15, 16: the paper's quoted claims vs our simulator",
     notes=(
-        "Ours: `sdiloco.utilization` (13.4 bits/param, FP4 = /4, latency 0, H = 100, "
+        "Ours: `sdiloco.sim.utilization` (13.4 bits/param, FP4 = /4, latency 0, H = 100, "
         "3 layers/fragment strided, τ = 1 unless swept). Bandwidths are the first point "
         "of Table 4's grid (logspace(-1, 3, 50) Gbit/s) reaching the CU; CU gains are "
         f"maxima over a {len(GRID)}-point grid. Fig. 16 layer counts (126, 61) are "

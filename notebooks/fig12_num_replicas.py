@@ -28,7 +28,7 @@
 # %%
 import matplotlib.pyplot as plt
 
-from sdiloco import experiments as ex, plotting
+from sdiloco.paper import experiments as ex, plotting
 
 
 plotting.style()

@@ -23,10 +23,10 @@
 # (FP32 values), and moving a fragment over a 2 TB/s host link takes "less than 10
 # milliseconds".
 #
-# **Here.** The same quantities from `sdiloco.memory.memory_footprint` (the "GB" of
+# **Here.** The same quantities from `sdiloco.sim.memory.memory_footprint` (the "GB" of
 # the paper are GiB, PAPER.md §1.10), then a check against the library's own training
 # state: we build the real `StreamingState` (and `DataParallelState`) of tiny models
-# with `sdiloco.train.build(...).init_state()`, count the bytes of every field with
+# with `sdiloco.lab.train.build(...).init_state()`, count the bytes of every field with
 # `nbytes` over its leaves, and compare one replica's share with `memory_footprint`'s
 # prediction for the same parameter count.
 
@@ -36,7 +36,9 @@ import matplotlib.pyplot as plt
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
-from sdiloco import config as config_lib, memory, plotting, train
+from sdiloco.lab import config as config_lib, train
+from sdiloco.paper import plotting
+from sdiloco.sim import memory
 
 
 plotting.style()
@@ -235,7 +237,7 @@ plotting.save_table(
     "memory_overhead",
     title="§2.5: memory overhead (paper vs ours)",
     notes=(
-        "Analytic rows: `sdiloco.memory.memory_footprint` (FP32 values, 1 GiB = 2^30 "
+        "Analytic rows: `sdiloco.sim.memory.memory_footprint` (FP32 values, 1 GiB = 2^30 "
         "bytes; the paper's GB are GiB). Library rows: bytes of the real training "
         "state (`train.build(config.preset(method, model=...)).init_state()`), one "
         "replica's share, M = 2. The library keeps a full-size in-flight buffer for "

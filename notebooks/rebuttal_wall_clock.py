@@ -21,7 +21,7 @@
 # DiLoCo with overlapped FP4 communication 6 h / 5 h / 5 h / 5 h at 1 / 10 / 100 / 1000.
 # The numbers are rounded; the unit and the bits per parameter are not stated.
 #
-# **Here.** `sdiloco.utilization.wall_clock_hours` simulates the 1B workload
+# **Here.** `sdiloco.sim.utilization.wall_clock_hours` simulates the 1B workload
 # (`paper_workload("1B")`: 24 layers, 0.1 s per step) at each bandwidth in **Gbit/s**
 # and extrapolates the steady-state compute utilization to 186,250 steps. Methods as
 # in Table 4: Data-Parallel, DiLoCo H = 100, Streaming DiLoCo H = 100 with 3 layers
@@ -35,8 +35,8 @@
 import matplotlib.pyplot as plt
 import numpy as np
 
-import sdiloco.utilization as ut
-from sdiloco import plotting
+import sdiloco.sim.utilization as ut
+from sdiloco.paper import plotting
 
 
 plotting.style()
@@ -127,7 +127,7 @@ notes = (
     "(1e9 bit/s) over one link (M = 2, ring factor 1), latency 0. DiLoCo: H = 100; "
     "Streaming: H = 100, 3 layers/fragment strided (P = 8), τ = 1, FP4 = 1/4 of the "
     "bits. Hours = steps × 0.1 s / steady-state CU "
-    "(`sdiloco.utilization.wall_clock_hours`). 16 bit/param = bf16 "
+    "(`sdiloco.sim.utilization.wall_clock_hours`). 16 bit/param = bf16 "
     "(`BF16_BITS_PER_PARAM`, the Table 1 fit); 13.4 bit/param = `TABLE4_BITS_PER_PARAM` "
     f"(the Table 4 fit). The rebuttal's DP number at 1 implies {implied_bits:.1f} "
     "bit/param in our simulator. Paper numbers: PAPER.md §9 (OpenReview rebuttal), "

@@ -36,7 +36,8 @@ import math
 import matplotlib.pyplot as plt
 import numpy as np
 
-from sdiloco import experiments as ex, plotting, utilization as ut
+from sdiloco.paper import experiments as ex, plotting
+from sdiloco.sim import utilization as ut
 
 
 plotting.style()
@@ -67,7 +68,7 @@ results = ex.run_all(configs, SEEDS)
 stats = ex.summarize(results)
 
 # %% [markdown]
-# The hours at the paper's scale come from the simulator (`sdiloco.utilization`): the
+# The hours at the paper's scale come from the simulator (`sdiloco.sim.utilization`): the
 # 1B workload at 0.1 s per step, the paper's step counts, bf16 (16 bits per parameter)
 # for Data-Parallel and FP4 for ours; M = 4 takes half the steps.
 

@@ -25,7 +25,7 @@
 # one seed (the M = 2 runs are shared with the Fig. 5 notebook through the run cache).
 
 # %%
-from sdiloco import experiments as ex, plotting
+from sdiloco.paper import experiments as ex, plotting
 
 
 NOTEBOOK = "table6_replicas_and_h"

@@ -19,7 +19,7 @@ from .fragments import (
     fragments_from_masks as fragments_from_masks,
     single_fragment as single_fragment,
 )
-from .quantization import (
+from .compression import (
     FORMATS as FORMATS,
     Compressor as Compressor,
     Quantized as Quantized,

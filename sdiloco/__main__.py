@@ -4,7 +4,7 @@ import argparse
 import json
 import sys
 
-from . import config as config_lib
+from .lab import config as config_lib
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.command == "train":
-        from .train import run
+        from .lab.train import run
 
         method = _given(
             num_replicas=args.replicas,

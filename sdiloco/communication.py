@@ -15,8 +15,8 @@ import jax.random as jr
 import numpy as np
 from jaxtyping import Array, Bool, PRNGKeyArray
 
+from .compression import Compressor
 from .fragments import Fragments
-from .quantization import Compressor
 
 
 def wide_dtype(dtype) -> jnp.dtype:

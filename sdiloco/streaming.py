@@ -38,11 +38,11 @@ import optax
 from jaxtyping import Array, Bool, Int, PRNGKeyArray
 
 from . import communication
+from .compression import Compressor, quantizer
 from .custom_types import Batch, Metrics, Params, Replicated
 from .fragments import Fragments, check_matches, single_fragment
 from .inner import check_batch, inner_steps, replicate
 from .outer import merge, outer_init, outer_step
-from .quantization import Compressor, quantizer
 from .schedule import NEVER, make_schedule
 
 

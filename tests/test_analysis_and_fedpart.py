@@ -14,8 +14,9 @@ from helpers import arrays, toy_batches, toy_loss, toy_params
 from hypothesis import given, settings, strategies as st
 
 import sdiloco
-from sdiloco import config as config_lib, experiments, plotting
 from sdiloco.fedpart import active_fragment
+from sdiloco.lab import config as config_lib
+from sdiloco.paper import experiments, plotting
 
 
 def _fragments(params, per=1):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import sdiloco
-from sdiloco import quantization
+from sdiloco.compression import quantizers
 
 
 _ROOT = str(pathlib.Path(__file__).resolve().parents[1])
@@ -103,7 +103,7 @@ def test_proposed_rounding_gives_the_library_codes(format):
     scales = jnp.logspace(-6, 2, 300, dtype=jnp.float32)[None]
     x = jr.normal(jr.key(0), (4, 300)) * scales
     q = sdiloco.quantizer(format, granularity="row")
-    mags = quantization._magnitudes(format)
+    mags = quantizers._magnitudes(format)
     mids = (mags[1:] + mags[:-1]) / 2
     # Row 1's amax is the top value, so its midpoints are exact ties; row 0 is not
     # finite.

@@ -11,8 +11,8 @@ import hypothesis.strategies as st
 import numpy as np
 import pytest
 
-from sdiloco import data
-from sdiloco.data import (
+from sdiloco.lab import data
+from sdiloco.lab.data import (
     corpus_index,
     load_corpus,
     load_tokens,

@@ -42,7 +42,8 @@ from hypothesis import given, settings, strategies as st
 from jax.sharding import PartitionSpec
 
 import sdiloco
-from sdiloco import communication, distributed, launch
+from sdiloco import communication, distributed
+from sdiloco.lab import launch
 
 
 M = 4
@@ -395,7 +396,7 @@ def test_launch_two_processes(tmp_path):
     procs = _start(
         lambda i: [
             "-m",
-            "sdiloco.launch",
+            "sdiloco.lab.launch",
             f"--coordinator=127.0.0.1:{port}",
             "--num-processes=2",
             f"--process-id={i}",

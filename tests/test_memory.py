@@ -5,7 +5,7 @@ import math
 import pytest
 from hypothesis import given, strategies as st
 
-from sdiloco.memory import GIB, memory_footprint, overhead_vs_data_parallel
+from sdiloco.sim.memory import GIB, memory_footprint, overhead_vs_data_parallel
 
 
 def test_diloco_needs_five_thirds_of_data_parallel():

@@ -14,7 +14,7 @@ import numpy as np
 import optax
 import pytest
 
-from sdiloco.model import (
+from sdiloco.lab.model import (
     PAPER_SCALES,
     TINY_SCALES,
     ModelConfig,

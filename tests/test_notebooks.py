@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from sdiloco import figures
+from sdiloco.paper import figures
 
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -56,14 +56,14 @@ def test_notebook_pair_in_sync_and_executed(path):
     jupytext = pytest.importorskip("jupytext")
     ipynb = path.with_suffix(".ipynb")
     assert ipynb.exists(), (
-        f"{ipynb.name} is missing: run python -m sdiloco.figures {path.stem}"
+        f"{ipynb.name} is missing: run python -m sdiloco.paper {path.stem}"
     )
     py_cells = jupytext.read(path).cells
     nb = jupytext.read(ipynb)
     assert [(c.cell_type, c.source) for c in nb.cells] == [
         (c.cell_type, c.source) for c in py_cells
     ], (
-        f"{ipynb.name} and {path.name} differ: re-run python -m sdiloco.figures {path.stem}"
+        f"{ipynb.name} and {path.name} differ: re-run python -m sdiloco.paper {path.stem}"
     )
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert code and all(c.get("execution_count") for c in code), "not executed"

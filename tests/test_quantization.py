@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 
-from sdiloco.quantization import (
+from sdiloco.compression import (
     FORMATS,
     GRANULARITIES,
     Compressor,

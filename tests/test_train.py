@@ -10,10 +10,10 @@ import pytest
 from helpers import tree_equal
 
 import sdiloco
-from sdiloco import config as config_lib
 from sdiloco.__main__ import main
-from sdiloco.checkpoint import CheckpointError
-from sdiloco.train import run
+from sdiloco.lab import config as config_lib
+from sdiloco.lab.checkpoint import CheckpointError
+from sdiloco.lab.train import run
 
 
 @pytest.fixture(autouse=True)
@@ -91,7 +91,9 @@ def test_bad_checkpoints(tmp_path):
     with pytest.raises(CheckpointError, match="partial.*data_1"):
         run(cfg, tmp_path, progress=False)
     # No checkpoint at all where one is asked for.
-    checkpointer = sdiloco.checkpoint.Checkpointer(tmp_path / "empty", cfg.to_json())
+    checkpointer = sdiloco.lab.checkpoint.Checkpointer(
+        tmp_path / "empty", cfg.to_json()
+    )
     with pytest.raises(CheckpointError, match="no checkpoint"):
         checkpointer.restore(None, [])
 
@@ -134,7 +136,7 @@ def test_cli(tmp_path, capsys):
 def test_every_preset_builds(name):
     cfg = config_lib.preset(name)
     assert config_lib.RunConfig.from_json(cfg.to_json()) == cfg
-    r = sdiloco.train.build(cfg.replace(model="tiny-xs"))
+    r = sdiloco.lab.train.build(cfg.replace(model="tiny-xs"))
     assert r.algorithm.num_replicas == cfg.method.num_replicas
 
 

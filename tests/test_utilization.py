@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-import sdiloco.utilization as ut
+import sdiloco.sim.utilization as ut
 
 
 # Paper Table 4, 1B rows (PAPER.md §3), Gbit/s for CU = 50 / 80 / 90 / 95 / 99 %.

@@ -7,7 +7,7 @@ offloaded to host memory, HBM holds 2 × |fragment| more than Data-Parallel: abo
 for a 100B model with 108 layers and 3 layers per fragment (PAPER.md §1.10).
 
 Examples:
-    >>> from sdiloco.memory import GIB, memory_footprint, overhead_vs_data_parallel
+    >>> from sdiloco.sim.memory import GIB, memory_footprint, overhead_vs_data_parallel
     >>> round(overhead_vs_data_parallel(1e9, "diloco"), 4)
     1.6667
     >>> dp = memory_footprint(100e9, "data_parallel")

@@ -2,15 +2,15 @@
 
 One command per process (here two processes on one machine, CPU collectives over gloo):
 
-    python -m sdiloco.launch --coordinator 127.0.0.1:12345 --num-processes 2 \\
+    python -m sdiloco.lab.launch --coordinator 127.0.0.1:12345 --num-processes 2 \\
         --process-id 0 --steps 50 --out params.npz &
-    python -m sdiloco.launch --coordinator 127.0.0.1:12345 --num-processes 2 \\
+    python -m sdiloco.lab.launch --coordinator 127.0.0.1:12345 --num-processes 2 \\
         --process-id 1 --steps 50
 
 Each process calls `jax.distributed.initialize`, builds the replica mesh over every
-global device (`distributed.replica_mesh`), builds the model (`sdiloco.model` preset)
+global device (`distributed.replica_mesh`), builds the model (`sdiloco.lab.model` preset)
 and the same initial state, and feeds **only its own replicas' data shards** (the grain
-iterators of `sdiloco.data`, assembled into global arrays with
+iterators of `sdiloco.lab.data`, assembled into global arrays with
 `jax.make_array_from_process_local_data`). The jitted step is the library's
 `streaming_diloco(...).step` with `exchange=distributed.sharded_exchange(mesh)`: the
 inner steps run where their replica lives, and a fragment sync all-gathers the packed
@@ -54,12 +54,12 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from . import distributed
+from .. import distributed
+from ..compression import FORMATS
+from ..fragments import Fragments, fragments_by_layer
+from ..streaming import Algorithm, streaming_diloco
 from .data import load_corpus, make_replica_iterators, stack_batches
-from .fragments import Fragments, fragments_by_layer
 from .model import ModelConfig, Transformer, loss_fn, preset
-from .quantization import FORMATS
-from .streaming import Algorithm, streaming_diloco
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +67,7 @@ class LaunchConfig:
     """What to train: a preset transformer with Streaming DiLoCo on Shakespeare."""
 
     preset: str = "tiny-xs"
-    """Model preset of `sdiloco.model.preset`."""
+    """Model preset of `sdiloco.lab.model.preset`."""
     seq_len: int | None = None
     """Override of the preset's sequence length."""
     num_layers: int | None = None
@@ -264,7 +264,7 @@ def params_digest(params: Any) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command-line entry point: `python -m sdiloco.launch --help`."""
+    """Command-line entry point: `python -m sdiloco.lab.launch --help`."""
     args = _parser().parse_args(argv)
     fields = {f.name for f in dataclasses.fields(LaunchConfig)}
     values = {k: v for k, v in vars(args).items() if k in fields and v is not None}
@@ -326,7 +326,7 @@ def _host(x):
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m sdiloco.launch",
+        prog="python -m sdiloco.lab.launch",
         description="Streaming DiLoCo over processes/hosts (jax.distributed).",
     )
     p.add_argument("--coordinator", help="host:port of process 0; omit for one process")

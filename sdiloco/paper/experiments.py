@@ -23,11 +23,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import train
-from .analysis import outer_gradient_cosine
-from .config import RunConfig, preset
-from .fragments import fragments_by_layer
-from .model import preset as preset_model
+from ..analysis import outer_gradient_cosine
+from ..fragments import fragments_by_layer
+from ..lab import train
+from ..lab.config import RunConfig, preset
+from ..lab.model import preset as preset_model
 from .plotting import FAST, REPO_ROOT
 
 

@@ -1,4 +1,4 @@
-"""Regenerate the paper's tables and figures: `python -m sdiloco.figures [NAME ...]`.
+"""Regenerate the paper's tables and figures: `python -m sdiloco.paper [NAME ...]`.
 
 Each artifact has a notebook under `notebooks/`, kept as a jupytext pair: the percent
 `.py` (what is edited and reviewed) and the `.ipynb` (what users open, with the outputs
@@ -77,7 +77,7 @@ def _record(out_dir: pathlib.Path, name: str, wall: float) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m sdiloco.figures",
+        prog="python -m sdiloco.paper",
         description="Regenerate the paper's tables and figures from notebooks/.",
     )
     p.add_argument(
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [
             sys.executable,
             "-m",
-            "sdiloco.figures",
+            "sdiloco.paper",
             path.stem,
             "--out",
             str(out_dir),

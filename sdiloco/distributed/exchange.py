@@ -66,12 +66,12 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Bool, PRNGKeyArray, UInt8
 
-from . import communication
-from .custom_types import Batch
-from .data_parallel import DataParallelState
-from .fragments import Fragments
-from .quantization import Compressor, Quantized, Quantizer
-from .streaming import StreamingState
+from .. import communication
+from ..compression import Compressor, Quantized, Quantizer
+from ..custom_types import Batch
+from ..data_parallel import DataParallelState
+from ..fragments import Fragments
+from ..streaming import StreamingState
 
 
 AXIS = "replica"

@@ -32,7 +32,7 @@ import matplotlib.pyplot as plt
 FAST: bool = os.environ.get("SDILOCO_FAST", "0") not in ("", "0", "false", "False")
 """Whether notebooks run their small, same-code-path mode (`SDILOCO_FAST=1`)."""
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 METHOD_COLORS: dict[str, str] = {
     "data_parallel": "tab:blue",

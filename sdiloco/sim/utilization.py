@@ -14,7 +14,7 @@ seconds, is added to the arrival of every per-layer reduction message. It delays
 message but does not hold the link.
 
 Examples:
-    >>> import sdiloco.utilization as ut
+    >>> import sdiloco.sim.utilization as ut
     >>> w = ut.paper_workload("1B")
     >>> round(ut.required_bandwidth(w, ut.data_parallel(), 0.5), 2)
     86.85

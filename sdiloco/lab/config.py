@@ -16,13 +16,13 @@ from typing import Any
 
 import optax
 
+from ..compression import FORMATS, dare, fed_dropout, quantizer, top_k
+from ..data_parallel import data_parallel
+from ..fedpart import freeze_unsynced
+from ..fragments import Fragments, fragments_by_layer
+from ..schedule import make_schedule
+from ..streaming import NONFINITE_POLICIES, Algorithm, streaming_diloco
 from . import model as model_lib
-from .data_parallel import data_parallel
-from .fedpart import freeze_unsynced
-from .fragments import Fragments, fragments_by_layer
-from .quantization import FORMATS, dare, fed_dropout, quantizer, top_k
-from .schedule import make_schedule
-from .streaming import NONFINITE_POLICIES, Algorithm, streaming_diloco
 
 
 def _positive(name: str, value: Any) -> None:

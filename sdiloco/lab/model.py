@@ -11,7 +11,7 @@ layer axis of size `num_layers`; `Transformer.__call__` applies them with
 indices into that axis of every leaf of `model.blocks`. The embedding and the final norm
 have no layer axis.
 
-Batch format (used by `loss_fn` and produced by `sdiloco.data`):
+Batch format (used by `loss_fn` and produced by `sdiloco.lab.data`):
 `{"inputs": int32[B, L], "targets": int32[B, L]}`, where `targets` are `inputs` shifted
 left by one token.
 """
