@@ -9,8 +9,8 @@ each step. Data-Parallel sends one bf16 gradient (16 bits per parameter) every s
 The model is built under `jax.eval_shape` (shapes only), so the paper's 1B model costs
 no memory.
 
-The paper (PAPER.md §1.8, Table 1): over a run, Streaming DiLoCo with overlapped FP4
-communication at H = 100 exchanges ~400× fewer bits than Data-Parallel
+The paper (docs/paper.md §1.8, Table 1): over a run, Streaming DiLoCo with overlapped
+FP4 communication at H = 100 exchanges ~400× fewer bits than Data-Parallel
 (100 steps × 16/4), and syncing fragments of |p| = 3 of L = 24 layers divides the
 peak bits per step by L/|p| = 8 (against DiLoCo at the same precision).
 
@@ -30,7 +30,6 @@ import numpy as np
 import optax
 
 from benchmarks import _common, compile_count
-from sdiloco.fragments import fragments_by_layer
 from sdiloco.lab import config as config_lib, model as model_lib
 from sdiloco.schedule import make_schedule
 
@@ -190,15 +189,9 @@ def check(model: str = "tiny-xs", sync_every: int = 4, batch: int = 4) -> list[s
 
 def _fragment_sizes(config: config_lib.RunConfig, params: Any) -> list[int]:
     """Parameters per fragment (the whole model for DP and DiLoCo)."""
-    if config.method.method != "streaming":
+    if not isinstance(config.method, config_lib.StreamingConfig):
         return [num_params(params)]
-    frags = fragments_by_layer(
-        params,
-        blocks=lambda m: m.blocks,
-        layers_per_fragment=config.method.layers_per_fragment,
-        pattern=config.method.pattern,
-    )
-    return [int(s) for s in frags.sizes()]
+    return [int(s) for s in config.method.fragments(params).sizes()]
 
 
 def report(rows: dict, model: str, steps: int, sync_every: int) -> str:

@@ -2,11 +2,22 @@
 
 The public API, re-exported explicitly. Each name lives in a one-concept module:
 fragments (`fragments.py`), the sync schedule (`schedule.py`), outer-gradient
-compressors (`quantization.py`), the algorithm (`streaming.py`) and its Data-Parallel
+compressors (`compression/`), the algorithm (`streaming.py`, on the interfaces of
+`base.py`) and its Data-Parallel
 baseline (`data_parallel.py`).
 """
 
 from .analysis import outer_gradient_cosine as outer_gradient_cosine
+from .base import (
+    Algorithm as Algorithm,
+    AlgorithmState as AlgorithmState,
+    Exchange as Exchange,
+    global_params as global_params,
+    per_replica_bytes as per_replica_bytes,
+    replica_average as replica_average,
+    replica_fields as replica_fields,
+    replica_params as replica_params,
+)
 from .data_parallel import (
     DataParallelState as DataParallelState,
     data_parallel as data_parallel,
@@ -35,12 +46,9 @@ from .schedule import (
     make_schedule as make_schedule,
 )
 from .streaming import (
-    Algorithm as Algorithm,
+    StreamingSpec as StreamingSpec,
     StreamingState as StreamingState,
     diloco as diloco,
-    global_params as global_params,
-    replica_average as replica_average,
-    replica_params as replica_params,
     streaming_diloco as streaming_diloco,
 )
 

@@ -17,11 +17,11 @@ import numpy as np
 import optax
 from jaxtyping import Array, Int
 
+from .base import Algorithm
 from .communication import wide_dtype
 from .custom_types import Batch, Metrics, Params
 from .fragments import parameter_leaves
 from .inner import check_batch, value_and_grad
-from .streaming import Algorithm
 
 
 class DataParallelState(NamedTuple):
@@ -30,6 +30,9 @@ class DataParallelState(NamedTuple):
     step: Int[Array, ""]  # [] int32
     global_params: Params  # the one copy of the parameters
     inner_state: optax.OptState  # the optimizer state of that copy
+
+    replica_fields = ()
+    """No field carries a replica axis: every replica holds the same copy."""
 
 
 def data_parallel(

@@ -1,29 +1,34 @@
 """Streaming DiLoCo (Douillard et al., 2025, Alg. 2) as one pure, jittable step.
 
-`streaming_diloco(...)` returns an `Algorithm`: a pair of pure functions
-`init(params, key) -> state` and `step(state, batch) -> (state, metrics)`. Replicas live
-on a leading axis M of the state and of the batch, and the inner step is vmapped over it.
-Which fragment is sent, received or merged at step t is traced data (masks built from the
-fragment labels), so `eqx.filter_jit(step)` compiles once and serves every step.
+`streaming_diloco(...)` validates its arguments into a `StreamingSpec` (everything
+static) and returns an `Algorithm`: `init(params, key) -> state` and
+`step(state, batch) -> (state, metrics)`. The step is a composition of four
+module-level pure functions of the state, each testable alone:
 
-One step t ← t + 1 (SPEC §1):
-
-1. inner: every replica takes one inner-optimizer step on its own batch (l.3-5);
-2. send: every fragment due at t computes `Δ_m = θ_g − θ_m`, compresses it per replica,
-   and averages it in float32 or wider; it is in flight until t + τ (l.6-8);
-3. receive: a fragment whose earliest arrival is t takes its outer step on θ_g (l.11);
-   each replica m whose arrival `sent + τ_m` is t merges
+1. `inner_update`: every replica takes one inner-optimizer step on its own batch
+   (Alg. 2, l.3-5), and t ← t + 1;
+2. `send`: every fragment due at t computes `Δ_m = θ_g − θ_m`, compresses it per
+   replica, and averages it in float32 or wider; it is in flight until t + τ (l.6-8);
+3. `outer_update`: a fragment whose earliest arrival is t takes its outer step on θ_g
+   (l.11);
+4. `merge_arrivals`: each replica m whose arrival `sent + τ_m` is t merges
    `θ_m ← α·θ_m + (1 − α)·θ_g` on that fragment (l.12).
+
+Replicas live on a leading axis M of the state and of the batch. Which fragment is
+sent, received or merged at t is traced data (masks built from the fragment labels),
+so `eqx.filter_jit(step)` compiles once and serves every step.
 
 Vanilla DiLoCo is `diloco(...)`: the same code with P = 1, τ = 0, α = 0 and no
 compressor. Data-Parallel, which is different maths, is in `data_parallel.py`.
 
 This differs from the paper in:
-1. Δ is taken against the global parameters θ_g kept in the state (PAPER.md §1.12):
-   line 11's θ^(t−τ−H) is read as "the global value after the fragment's last sync".
+1. Δ is taken against the global parameters θ_g kept in the state (docs/paper.md
+   §1.12): line 11's θ^(t−τ−H) is read as "the global value after the fragment's last
+   sync".
 2. Steps are 1-based and fragment p is first sent at `f_p` (default `H + round(pH/P)`),
    so every fragment's first outer gradient spans at least H inner steps.
-3. A non-finite outer gradient is detected and handled by a policy (SPEC §5).
+3. A non-finite outer gradient is detected and handled by a policy
+   (docs/contract.md §5).
 """
 
 from collections.abc import Callable, Sequence
@@ -38,12 +43,13 @@ import optax
 from jaxtyping import Array, Bool, Int, PRNGKeyArray
 
 from . import communication
+from .base import Algorithm, Exchange
 from .compression import Compressor, quantizer
 from .custom_types import Batch, Metrics, Params, Replicated
 from .fragments import Fragments, check_matches, single_fragment
 from .inner import check_batch, inner_steps, replicate
 from .outer import merge, outer_init, outer_step
-from .schedule import NEVER, make_schedule
+from .schedule import NEVER, Schedule, make_schedule
 
 
 NONFINITE_POLICIES = ("skip", "apply", "raise")
@@ -63,24 +69,37 @@ class StreamingState(NamedTuple):
     residual: Replicated | None  # error feedback, [M, ...] wide dtype; None when off
     key: Array  # [2] uint32, root key of stochastic compressors
 
+    replica_fields = ("replica_params", "inner_state", "residual")
+    """The fields whose leaves carry the leading replica axis M."""
 
-class Algorithm(NamedTuple):
-    """A distributed training algorithm: pure `init` and `step`, plus its accounting.
 
-    Attributes:
-        init: `init(params, key=None) -> state`.
-        step: `step(state, batch) -> (state, metrics)`, pure and jittable; every leaf of
-            `batch` has a leading axis of size `num_replicas`.
-        bits_per_fragment: `bits_per_fragment(params) -> [P]` exact bits (Python ints)
-            one replica puts on the wire to send each fragment (SPEC §3); for
-            Data-Parallel, one entry: the bits of one gradient exchange.
-        num_replicas: M.
+class StreamingSpec(NamedTuple):
+    """Everything static about a Streaming DiLoCo run, validated by `streaming_diloco`.
+
+    Jitted code closes over it; it is never traced. `fragments` None means the whole
+    model is one fragment (resolved against the parameters with `fragments_of`).
     """
 
-    init: Callable[..., Any]
-    step: Callable[[Any, Batch], tuple[Any, Metrics]]
-    bits_per_fragment: Callable[[Params], np.ndarray]
-    num_replicas: int
+    loss_fn: Callable[..., Any]
+    inner: optax.GradientTransformation
+    outer: optax.GradientTransformation
+    schedule: Schedule
+    fragments: Fragments | None
+    alpha: float
+    compressor: Compressor | None
+    error_feedback: bool
+    nonfinite: str
+    has_aux: bool
+    exchange: Exchange
+
+    @property
+    def num_replicas(self) -> int:
+        """M."""
+        return self.schedule.num_replicas
+
+    def fragments_of(self, params: Params) -> Fragments:
+        """The fragments of `params` (one fragment when none were given)."""
+        return single_fragment(params) if self.fragments is None else self.fragments
 
 
 def streaming_diloco(
@@ -98,7 +117,7 @@ def streaming_diloco(
     error_feedback: bool = False,
     nonfinite: str = "skip",
     has_aux: bool = False,
-    exchange: Callable[..., Any] = communication.simulated_exchange,
+    exchange: Exchange = communication.simulated_exchange,
 ) -> Algorithm:
     """Streaming DiLoCo (Alg. 2) with overlapped, compressed fragment syncs.
 
@@ -108,7 +127,7 @@ def streaming_diloco(
             Equinox module included); gradients flow to its floating-point arrays.
         inner: the inner optimizer (any optax transformation), e.g. AdamW.
         outer: the outer optimizer; default `optax.sgd(0.4, momentum=0.9,
-            nesterov=True)` (PAPER.md §1.6). Its state is kept per fragment.
+            nesterov=True)` (docs/paper.md §1.6). Its state is kept per fragment.
         num_replicas: M >= 1.
         sync_every: H >= 1, inner steps between two sends of one fragment.
         fragments: the partition (see `fragments.py`); None syncs the whole model as
@@ -119,23 +138,24 @@ def streaming_diloco(
         first_send: f_p >= 1 per fragment; default `H + round(p·H/P)`.
         compressor: applied to each replica's Δ before the exchange (a `quantizer`,
             `dare`, `top_k`, `fed_dropout`; a format name such as "e3m0" is short for
-            `quantizer(name)`); None sends float32.
+            `quantizer(name)`); None sends float32. A stochastic compressor needs the
+            `key` argument of `init`.
         error_feedback: carry each replica's compression residual into its next send
             of that fragment (beyond the paper).
         nonfinite: what to do with a non-finite averaged outer gradient: "skip" (the
             default: skip that fragment's outer step and restore it to θ_g on every
             replica, a failed round), "apply" (no check), "raise" (a runtime error).
         has_aux: whether `loss_fn` returns `(loss, aux)` with `aux` a dict of arrays.
-        exchange: how replicas exchange outer gradients:
-            `exchange(compressor, fragments, deltas, key, sent) -> (mean, own)`; the default
-            simulates all replicas on one device. `distributed.py` provides one that
+        exchange: how replicas exchange outer gradients (an `Exchange`); the default
+            simulates all replicas on one device, `distributed.sharded_exchange`
             moves the packed low-bit payload between devices and hosts.
 
     Returns:
         The `Algorithm`.
 
     Raises:
-        ValueError: on a bad configuration (SPEC §5), naming field, value and allowed.
+        ValueError: on a bad configuration (docs/contract.md §5), naming the field, the
+            value and what is allowed.
     """
     outer = optax.sgd(0.4, momentum=0.9, nesterov=True) if outer is None else outer
     if not 0 <= alpha <= 1:
@@ -154,176 +174,34 @@ def streaming_diloco(
     if fragments is not None and not isinstance(fragments, Fragments):
         raise ValueError(f"fragments={fragments!r} is not a Fragments.")
     num_fragments = 1 if fragments is None else fragments.num_fragments
-    schedule = make_schedule(
-        sync_every, num_fragments, num_replicas, overlap, first_send
+    spec = StreamingSpec(
+        loss_fn=loss_fn,
+        inner=inner,
+        outer=outer,
+        schedule=make_schedule(
+            sync_every, num_fragments, num_replicas, overlap, first_send
+        ),
+        fragments=fragments,
+        alpha=alpha,
+        compressor=compressor,
+        error_feedback=error_feedback,
+        nonfinite=nonfinite,
+        has_aux=has_aux,
+        exchange=exchange,
     )
-    M = num_replicas
-
-    def get_fragments(arrays: Params) -> Fragments:
-        return single_fragment(arrays) if fragments is None else fragments
-
-    def bits_per_fragment(params: Params) -> np.ndarray:
-        return communication.bits_per_fragment(compressor, get_fragments(params))
 
     def init(params: Params, key: PRNGKeyArray | None = None) -> StreamingState:
-        """The initial state: every replica and θ_g equal to `params`, t = 0."""
-        frags = get_fragments(params)
-        check_matches(frags, params)
-        arrays = eqx.filter(params, eqx.is_inexact_array)
-        replicas = replicate(params, M)
-        inflight = jax.tree.map(
-            lambda x: jnp.zeros(x.shape, communication.wide_dtype(x.dtype)), arrays
-        )
-        residual = None
-        if error_feedback:
-            residual = jax.tree.map(
-                lambda x: jnp.zeros((M,) + x.shape, communication.wide_dtype(x.dtype)),
-                arrays,
-            )
-        return StreamingState(
-            step=jnp.zeros((), jnp.int32),
-            global_params=params,
-            outer_state=outer_init(outer, arrays, frags.num_fragments),
-            replica_params=replicas,
-            inner_state=eqx.filter_vmap(inner.init)(
-                eqx.filter(replicas, eqx.is_inexact_array)
-            ),
-            inflight=inflight,
-            sent_at=jnp.full((frags.num_fragments,), NEVER, jnp.int32),
-            inflight_ok=jnp.ones((frags.num_fragments,), bool),
-            residual=residual,
-            key=_key_data(key),
-        )
+        return streaming_init(spec, params, key)
 
     def step(state: StreamingState, batch: Batch) -> tuple[StreamingState, Metrics]:
-        """One step of Streaming DiLoCo (Alg. 2, l.3-12)."""
-        check_batch(batch, M)
-        t = state.step + 1
-        # 1. Inner optimization on every replica (l.3-5).
-        replicas, inner_state, losses, aux = inner_steps(
-            loss_fn, inner, has_aux, state.replica_params, state.inner_state, batch
-        )
-        g_arrays, g_static = eqx.partition(state.global_params, eqx.is_inexact_array)
-        r_arrays, r_static = eqx.partition(replicas, eqx.is_inexact_array)
-        frags = get_fragments(g_arrays)
-        treedef = jax.tree.structure(g_arrays)
-        g_leaves = jax.tree.leaves(g_arrays)
-        r_leaves = jax.tree.leaves(r_arrays)
-        inflight = jax.tree.leaves(state.inflight)
-        residual = None if state.residual is None else jax.tree.leaves(state.residual)
+        return streaming_step(spec, state, batch)
 
-        # 2. Send the fragments due at t (l.6-8).
-        sent = schedule.sent(t)
+    def bits_per_fragment(params: Params) -> np.ndarray:
+        return communication.bits_per_fragment(compressor, spec.fragments_of(params))
 
-        def do_send(operands):
-            inflight, sent_at, ok, residual = operands
-            deltas = communication.outer_gradients(g_leaves, r_leaves)
-            if residual is not None:
-                deltas = [d + e for d, e in zip(deltas, residual)]
-            key = jr.fold_in(state.key, t)
-            mean, recon = exchange(compressor, frags, deltas, key, sent)
-            mask = frags.mask(sent)
-            inflight = [jnp.where(m, x, old) for m, x, old in zip(mask, mean, inflight)]
-            if residual is not None:
-                residual = [
-                    jnp.where(m[None], d - q, e)
-                    for m, d, q, e in zip(mask, deltas, recon, residual)
-                ]
-            finite = ~communication.nonfinite_fragments(frags, mean)
-            sent_at = jnp.where(sent, t, sent_at)
-            ok = jnp.where(sent, finite, ok)
-            return inflight, sent_at, ok, residual
-
-        inflight, sent_at, ok, residual = jax.lax.cond(
-            jnp.any(sent),
-            do_send,
-            lambda operands: operands,
-            (inflight, state.sent_at, state.inflight_ok, residual),
-        )
-
-        # 3a. Outer step of the fragments whose earliest arrival is t (l.9-11).
-        due = schedule.outer_due(t, sent_at)
-        failed = due & ~ok
-        apply = due if nonfinite == "apply" else due & ok
-        if nonfinite == "raise":
-            g_leaves = eqx.error_if(
-                g_leaves,
-                jnp.any(failed),
-                "non-finite outer gradient (nonfinite='raise')",
-            )
-
-        def do_outer(operands):
-            def body(p, carry):
-                return jax.lax.cond(
-                    apply[p],
-                    lambda c: outer_step(
-                        outer,
-                        frags,
-                        p,
-                        c[0],
-                        c[1],
-                        jax.tree.unflatten(treedef, inflight),
-                    ),
-                    lambda c: c,
-                    carry,
-                )
-
-            return jax.lax.fori_loop(0, frags.num_fragments, body, operands)
-
-        g_arrays, outer_state = jax.lax.cond(
-            jnp.any(apply),
-            do_outer,
-            lambda operands: operands,
-            (jax.tree.unflatten(treedef, g_leaves), state.outer_state),
-        )
-        g_leaves = jax.tree.leaves(g_arrays)
-
-        # 3b. Each replica merges the fragments arriving for it at t (l.12).
-        merging = schedule.merge_due(t, sent_at)
-        keep_ok = jnp.ones_like(ok) if nonfinite == "apply" else ok
-
-        def do_merge(r_leaves):
-            due_masks = frags.mask(merging)
-            ok_masks = frags.mask(keep_ok)
-            return [
-                merge(r, g, d, o, alpha)
-                for r, g, d, o in zip(r_leaves, g_leaves, due_masks, ok_masks)
-            ]
-
-        r_leaves = jax.lax.cond(jnp.any(merging), do_merge, lambda r: r, r_leaves)
-
-        new_state = StreamingState(
-            step=t,
-            global_params=eqx.combine(g_arrays, g_static),
-            outer_state=outer_state,
-            replica_params=eqx.combine(jax.tree.unflatten(treedef, r_leaves), r_static),
-            inner_state=inner_state,
-            inflight=jax.tree.unflatten(treedef, inflight),
-            sent_at=sent_at,
-            inflight_ok=ok,
-            residual=None
-            if residual is None
-            else jax.tree.unflatten(treedef, residual),
-            key=state.key,
-        )
-        bits = jnp.asarray(
-            np.asarray(communication.bits_per_fragment(compressor, frags), np.float64),
-            jnp.float32,
-        )
-        metrics = {
-            "loss/train": jnp.mean(losses),
-            "loss/replicas": losses,
-            "sync/sent": sent,
-            "sync/applied": apply,
-            "sync/merged": merging,
-            "sync/nonfinite": failed,
-            "nonfinite": jnp.any(failed),
-            "comm/bits": jnp.sum(jnp.where(sent, bits, jnp.zeros((), jnp.float32))),
-        }
-        metrics.update({f"aux/{k}": jnp.mean(v, axis=0) for k, v in aux.items()})
-        return new_state, metrics
-
-    return Algorithm(init, step, bits_per_fragment, M)
+    init.__doc__ = streaming_init.__doc__
+    step.__doc__ = streaming_step.__doc__
+    return Algorithm(init, step, bits_per_fragment, num_replicas)
 
 
 def diloco(
@@ -333,7 +211,9 @@ def diloco(
     outer: optax.GradientTransformation | None = None,
     num_replicas: int = 2,
     sync_every: int = 100,
+    nonfinite: str = "skip",
     has_aux: bool = False,
+    exchange: Exchange = communication.simulated_exchange,
 ) -> Algorithm:
     """Vanilla DiLoCo (Douillard et al., 2023; Alg. 1): P = 1, τ = 0, α = 0, fp32.
 
@@ -349,36 +229,243 @@ def diloco(
         fragments=None,
         overlap=0,
         alpha=0.0,
+        nonfinite=nonfinite,
         has_aux=has_aux,
+        exchange=exchange,
     )
 
 
-def global_params(state: Any) -> Params:
-    """θ_g: the parameters to evaluate by default (paper Table 3)."""
-    return state.global_params
+def streaming_init(
+    spec: StreamingSpec, params: Params, key: PRNGKeyArray | None = None
+) -> StreamingState:
+    """The initial state: every replica and θ_g equal to `params`, t = 0.
+
+    Args:
+        spec: the run's static description.
+        params: the initial parameters (any pytree).
+        key: the root key of stochastic compressors; required when the compressor
+            needs randomness, ignored otherwise.
+
+    Raises:
+        ValueError: if the fragments do not match `params`, or a stochastic compressor
+            gets no key.
+    """
+    if key is None and spec.compressor is not None and spec.compressor.needs_key:
+        raise ValueError(
+            f"key=None, but the compressor {type(spec.compressor).__name__} is "
+            "stochastic; pass init(params, key=jax.random.key(seed))."
+        )
+    frags = spec.fragments_of(params)
+    check_matches(frags, params)
+    arrays = eqx.filter(params, eqx.is_inexact_array)
+    replicas = replicate(params, spec.num_replicas)
+    residual = None
+    if spec.error_feedback:
+        residual = jax.tree.map(
+            lambda x: jnp.zeros((spec.num_replicas,) + x.shape, _wide(x)), arrays
+        )
+    return StreamingState(
+        step=jnp.zeros((), jnp.int32),
+        global_params=params,
+        outer_state=outer_init(spec.outer, arrays, frags.num_fragments),
+        replica_params=replicas,
+        inner_state=eqx.filter_vmap(spec.inner.init)(
+            eqx.filter(replicas, eqx.is_inexact_array)
+        ),
+        inflight=jax.tree.map(lambda x: jnp.zeros(x.shape, _wide(x)), arrays),
+        sent_at=jnp.full((frags.num_fragments,), NEVER, jnp.int32),
+        inflight_ok=jnp.ones((frags.num_fragments,), bool),
+        residual=residual,
+        key=jnp.zeros((2,), jnp.uint32) if key is None else _key_data(key),
+    )
 
 
-def replica_params(state: Any, m: int) -> Params:
-    """The parameters of replica m."""
-    return jax.tree.map(lambda x: x[m] if eqx.is_array(x) else x, state.replica_params)
+def streaming_step(
+    spec: StreamingSpec, state: StreamingState, batch: Batch
+) -> tuple[StreamingState, Metrics]:
+    """One step of Streaming DiLoCo (Alg. 2, l.3-12): inner, send, outer, merge."""
+    check_batch(batch, spec.num_replicas)
+    state, losses, aux = inner_update(spec, state, batch)
+    state, sent = send(spec, state)
+    state, applied, failed = outer_update(spec, state)
+    state, merged = merge_arrivals(spec, state)
+    frags = spec.fragments_of(eqx.filter(state.global_params, eqx.is_inexact_array))
+    bits = np.asarray(communication.bits_per_fragment(spec.compressor, frags), float)
+    metrics = {
+        "loss/train": jnp.mean(losses),
+        "loss/replicas": losses,
+        "sync/sent": sent,
+        "sync/applied": applied,
+        "sync/merged": merged,
+        "sync/nonfinite": failed,
+        "nonfinite": jnp.any(failed),
+        "comm/bits": jnp.sum(jnp.where(sent, jnp.asarray(bits, jnp.float32), 0.0)),
+    }
+    metrics.update({f"aux/{k}": jnp.mean(v, axis=0) for k, v in aux.items()})
+    return state, metrics
 
 
-def replica_average(state: Any) -> Params:
-    """The average of the replicas' parameters (computed in float32 or wider)."""
+def inner_update(
+    spec: StreamingSpec, state: StreamingState, batch: Batch
+) -> tuple[StreamingState, Array, dict]:
+    """One inner step on every replica (Alg. 2, l.3-5); the step counter becomes t + 1.
 
-    def avg(x):
-        if not eqx.is_inexact_array(x):
-            return x[0] if eqx.is_array(x) else x
-        return jnp.mean(x.astype(communication.wide_dtype(x.dtype)), axis=0).astype(
-            x.dtype
+    Returns:
+        The new state, each replica's loss `[M]` and its aux dict (leaves `[M, ...]`).
+    """
+    replicas, inner_state, losses, aux = inner_steps(
+        spec.loss_fn,
+        spec.inner,
+        spec.has_aux,
+        state.replica_params,
+        state.inner_state,
+        batch,
+    )
+    state = state._replace(
+        step=state.step + 1, replica_params=replicas, inner_state=inner_state
+    )
+    return state, losses, aux
+
+
+def send(
+    spec: StreamingSpec, state: StreamingState
+) -> tuple[StreamingState, Bool[Array, " P"]]:
+    """Send the fragments due at t = `state.step` (Alg. 2, l.6-8).
+
+    For each sent fragment: `Δ_m = θ_g − θ_m` per replica (plus its error-feedback
+    residual), compressed per replica and averaged over replicas in float32 or wider,
+    is stored in `inflight` with `sent_at = t` and whether it is finite. Every other
+    fragment's in-flight entries are left bitwise unchanged. Nothing is computed at a
+    step that sends nothing (`lax.cond`).
+
+    Returns:
+        The new state and which fragments were sent `[P]`.
+    """
+    t = state.step
+    sent = spec.schedule.sent(t)
+    g_leaves = jax.tree.leaves(eqx.filter(state.global_params, eqx.is_inexact_array))
+    r_leaves = jax.tree.leaves(eqx.filter(state.replica_params, eqx.is_inexact_array))
+    frags = spec.fragments_of(eqx.filter(state.global_params, eqx.is_inexact_array))
+    carried = (state.inflight, state.sent_at, state.inflight_ok, state.residual)
+
+    def do_send(carried):
+        inflight, sent_at, ok, residual = carried
+        deltas = communication.outer_gradients(g_leaves, r_leaves)
+        if residual is not None:
+            deltas = [d + e for d, e in zip(deltas, jax.tree.leaves(residual))]
+        key = jr.fold_in(state.key, t)
+        mean, recon = spec.exchange(spec.compressor, frags, deltas, key, sent)
+        mask = frags.mask(sent)
+        inflight = _where_leaves(mask, mean, inflight)
+        if residual is not None:
+            errors = [d - q for d, q in zip(deltas, recon)]
+            residual = _where_leaves([m[None] for m in mask], errors, residual)
+        finite = ~communication.nonfinite_fragments(frags, mean)
+        return (
+            inflight,
+            jnp.where(sent, t, sent_at),
+            jnp.where(sent, finite, ok),
+            residual,
         )
 
-    return jax.tree.map(avg, state.replica_params)
+    inflight, sent_at, ok, residual = jax.lax.cond(
+        jnp.any(sent), do_send, lambda c: c, carried
+    )
+    state = state._replace(
+        inflight=inflight, sent_at=sent_at, inflight_ok=ok, residual=residual
+    )
+    return state, sent
 
 
-def _key_data(key: PRNGKeyArray | None) -> Array:
-    if key is None:
-        return jr.PRNGKey(0)
+def outer_update(
+    spec: StreamingSpec, state: StreamingState
+) -> tuple[StreamingState, Bool[Array, " P"], Bool[Array, " P"]]:
+    """The outer step of every fragment whose earliest arrival is t (Alg. 2, l.9-11).
+
+    `θ_g[p], s_p ← OuterOpt(θ_g[p], s_p, Δ̄_p)` for each such fragment p, one fragment
+    at a time; a fragment whose Δ̄ was not finite is skipped under the "skip" policy,
+    fails the step under "raise", and is applied under "apply".
+
+    Returns:
+        The new state, which fragments took their outer step `[P]`, and which arrived
+        with a non-finite outer gradient `[P]`.
+    """
+    due = spec.schedule.outer_due(state.step, state.sent_at)
+    failed = due & ~state.inflight_ok
+    applied = due if spec.nonfinite == "apply" else due & state.inflight_ok
+    g_arrays, g_static = eqx.partition(state.global_params, eqx.is_inexact_array)
+    if spec.nonfinite == "raise":
+        g_arrays = eqx.error_if(
+            g_arrays, jnp.any(failed), "non-finite outer gradient (nonfinite='raise')"
+        )
+    frags = spec.fragments_of(g_arrays)
+
+    def one_fragment(p, carry):
+        def step_p(c):
+            return outer_step(spec.outer, frags, p, c[0], c[1], state.inflight)
+
+        return jax.lax.cond(applied[p], step_p, lambda c: c, carry)
+
+    def all_fragments(carry):
+        return jax.lax.fori_loop(0, frags.num_fragments, one_fragment, carry)
+
+    g_arrays, outer_state = jax.lax.cond(
+        jnp.any(applied), all_fragments, lambda c: c, (g_arrays, state.outer_state)
+    )
+    state = state._replace(
+        global_params=eqx.combine(g_arrays, g_static), outer_state=outer_state
+    )
+    return state, applied, failed
+
+
+def merge_arrivals(
+    spec: StreamingSpec, state: StreamingState
+) -> tuple[StreamingState, Bool[Array, "M P"]]:
+    """Each replica merges the fragments arriving for it at t (Alg. 2, l.12).
+
+    `θ_m ← α·θ_m + (1 − α)·θ_g` on the fragment for every replica m with
+    `sent_at + τ_m = t`; a fragment whose outer gradient was not finite is restored to
+    θ_g instead (unless the policy is "apply").
+
+    Returns:
+        The new state and which fragments each replica merged `[M, P]`.
+    """
+    merging = spec.schedule.merge_due(state.step, state.sent_at)
+    keep = state.inflight_ok
+    if spec.nonfinite == "apply":
+        keep = jnp.ones_like(keep)
+    g_leaves = jax.tree.leaves(eqx.filter(state.global_params, eqx.is_inexact_array))
+    r_arrays, r_static = eqx.partition(state.replica_params, eqx.is_inexact_array)
+    frags = spec.fragments_of(eqx.filter(state.global_params, eqx.is_inexact_array))
+
+    def do_merge(r_arrays):
+        r_leaves, treedef = jax.tree.flatten(r_arrays)
+        new = [
+            merge(r, g, due, ok, spec.alpha)
+            for r, g, due, ok in zip(
+                r_leaves, g_leaves, frags.mask(merging), frags.mask(keep)
+            )
+        ]
+        return jax.tree.unflatten(treedef, new)
+
+    r_arrays = jax.lax.cond(jnp.any(merging), do_merge, lambda r: r, r_arrays)
+    state = state._replace(replica_params=eqx.combine(r_arrays, r_static))
+    return state, merging
+
+
+def _where_leaves(masks: list[Array], new: list[Array], old_tree: Any) -> Any:
+    """`old_tree` with each leaf replaced by `new` where its mask is set."""
+    old, treedef = jax.tree.flatten(old_tree)
+    return jax.tree.unflatten(
+        treedef, [jnp.where(m, n, o) for m, n, o in zip(masks, new, old)]
+    )
+
+
+def _wide(x: Array) -> jnp.dtype:
+    return communication.wide_dtype(x.dtype)
+
+
+def _key_data(key: PRNGKeyArray) -> Array:
     if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
         return jr.key_data(key)
     return jnp.asarray(key)

@@ -1,5 +1,5 @@
 """FedPart freezing (`fedpart.py`), the outer-gradient cosine (`analysis.py`), the
-sparsifier and freezing knobs of `MethodConfig`, and the experiment/plotting helpers
+sparsifier and freezing knobs of `StreamingConfig`, and the experiment/plotting helpers
 the notebooks use."""
 
 import json
@@ -146,12 +146,12 @@ def test_outer_gradient_cosine_is_one_for_identical_replicas_and_needs_two():
         ({"sparsifier": "zip"}, "sparsifier"),
         ({"sparsifier": "dare"}, "quantizer"),  # the default quantizer is e3m0
         ({"sparsifier": "dare", "quantizer": None, "drop_rate": 1.0}, "drop_rate"),
-        ({"method": "diloco", "freeze_unsynced": True}, "freeze_unsynced"),
+        ({"kind": "diloco", "freeze_unsynced": True}, "freeze_unsynced"),
     ],
 )
 def test_method_config_rejects_bad_compression_and_freezing(changes, field):
     with pytest.raises(ValueError, match=field):
-        config_lib.MethodConfig(**changes)
+        config_lib.method_from_dict(changes)
 
 
 @pytest.mark.parametrize("kind", ["fed_dropout", "dare", "top_k"])

@@ -33,9 +33,12 @@ def _tiny(preset="streaming_overlap_fp4", **changes):
         data={"global_batch_size": 4},
         inner={"lr": 3e-3, "warmup_steps": 2},
     )
-    method = {"sync_every": 4, "overlap": 2, **changes.pop("method", {})}
+    method = {"sync_every": 4, "overlap": 2}
+    if preset == "diloco":
+        method = {"sync_every": 4}
     if preset == "data_parallel":
         method = {}
+    method.update(changes.pop("method", {}))
     return config_lib.preset(preset, method=method, **{**base, **changes})
 
 
@@ -151,7 +154,8 @@ def test_every_preset_builds(name):
         (dict(method={"alpha": 2.0}), "alpha"),
         (dict(method={"quantizer": "e9m9"}), "quantizer"),
         (dict(method={"layers_per_fragment": 4}), "layers_per_fragment"),
-        (dict(method={"method": "fedavg"}), "method"),
+        (dict(method={"kind": "fedavg"}), "kind"),
+        (dict(method={"kind": "diloco", "alpha": 0.5}), "alpha"),
         (dict(eval_params=("best",)), "eval_params"),
         (dict(inner={"lr": -1.0}), "lr"),
     ],

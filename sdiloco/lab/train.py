@@ -25,7 +25,7 @@ import jax.random as jr
 import numpy as np
 from tqdm.auto import tqdm
 
-from ..streaming import Algorithm, replica_average, replica_params
+from ..base import Algorithm, replica_average, replica_params
 from . import data as data_lib, model as model_lib
 from .checkpoint import Checkpointer
 from .config import RunConfig

@@ -1,0 +1,131 @@
+"""What every algorithm shares: the `Algorithm` pair and the Protocols around it.
+
+An algorithm is a pair of pure functions, `init(params, key) -> state` and
+`step(state, batch) -> (state, metrics)`, plus its exact wire accounting. Its state is
+one immutable pytree that declares which of its fields carry the leading replica axis
+M (`replica_fields`), so that sharding, checkpoints and memory accounting read the
+declaration instead of hard-coding field names. How the replicas exchange their outer
+gradients is an `Exchange`: the vmapped simulation (`communication.simulated_exchange`)
+and the sharded one (`distributed.sharded_exchange`) are interchangeable.
+"""
+
+from collections.abc import Callable
+from typing import Any, ClassVar, NamedTuple, Protocol, runtime_checkable
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Int, PRNGKeyArray
+
+from .custom_types import Batch, Metrics, Params
+from .fragments import Fragments
+
+
+@runtime_checkable
+class AlgorithmState(Protocol):
+    """The state of any algorithm: one immutable pytree (a NamedTuple here).
+
+    `replica_fields` names the fields whose array leaves carry a leading axis M (one
+    slice per replica); every other field is shared, i.e. one copy that every worker
+    of a deployment would hold.
+    """
+
+    replica_fields: ClassVar[tuple[str, ...]]
+    _fields: ClassVar[tuple[str, ...]]
+
+    @property
+    def step(self) -> Int[Array, ""]:
+        """Steps taken so far (t)."""
+        ...
+
+    @property
+    def global_params(self) -> Params:
+        """The parameters to evaluate (θ_g)."""
+        ...
+
+
+@runtime_checkable
+class Exchange(Protocol):
+    """How the replicas exchange their outer gradients (Alg. 2, l.7-8).
+
+    Given each replica's outer gradient (one `[M, ...]` array per parameter leaf), it
+    returns the average over replicas of what the receivers reconstruct (one `[...]`
+    array per leaf, in float32 or wider) and each replica's own reconstruction
+    `[M, ...]` (what error feedback subtracts). Only the fragments in `sent` need to be
+    correct: the caller keeps those and discards the rest.
+    """
+
+    def __call__(
+        self,
+        compressor: Any,
+        fragments: Fragments,
+        deltas: list[Array],
+        key: PRNGKeyArray,
+        sent: Bool[Array, " P"],
+    ) -> tuple[list[Array], list[Array]]:
+        """Exchange `deltas`; returns `(mean, own_reconstruction)`."""
+        ...
+
+
+class Algorithm(NamedTuple):
+    """A distributed training algorithm: pure `init` and `step`, plus its accounting.
+
+    Attributes:
+        init: `init(params, key=None) -> state`.
+        step: `step(state, batch) -> (state, metrics)`, pure and jittable; every leaf of
+            `batch` has a leading axis of size `num_replicas`.
+        bits_per_fragment: `bits_per_fragment(params) -> [P]` exact bits (Python ints)
+            one replica puts on the wire to send each fragment (docs/contract.md §3);
+            for Data-Parallel, one entry: the bits of one gradient exchange.
+        num_replicas: M.
+    """
+
+    init: Callable[..., Any]
+    step: Callable[[Any, Batch], tuple[Any, Metrics]]
+    bits_per_fragment: Callable[[Params], np.ndarray]
+    num_replicas: int
+
+
+def replica_fields(state: AlgorithmState) -> tuple[str, ...]:
+    """The fields of `state` whose array leaves carry the leading replica axis M."""
+    return type(state).replica_fields
+
+
+def per_replica_bytes(state: AlgorithmState) -> dict[str, float]:
+    """Bytes one replica holds of each field of `state` in a deployment.
+
+    A replica field holds 1/M of its bytes per replica (its own slice); a shared field
+    is held whole by every replica (each worker keeps its own copy).
+    """
+    fields = replica_fields(state)
+    out = {}
+    for name in state._fields:
+        leaves = [x for x in jax.tree.leaves(getattr(state, name)) if eqx.is_array(x)]
+        total = float(sum(int(x.nbytes) for x in leaves))
+        if name in fields and leaves:
+            total /= leaves[0].shape[0]
+        out[name] = total
+    return out
+
+
+def global_params(state: AlgorithmState) -> Params:
+    """θ_g: the parameters to evaluate by default (paper Table 3)."""
+    return state.global_params
+
+
+def replica_params(state: Any, m: int) -> Params:
+    """The parameters of replica m (of a state with a `replica_params` field)."""
+    return jax.tree.map(lambda x: x[m] if eqx.is_array(x) else x, state.replica_params)
+
+
+def replica_average(state: Any) -> Params:
+    """The average of the replicas' parameters (computed in float32 or wider)."""
+
+    def avg(x):
+        if not eqx.is_inexact_array(x):
+            return x[0] if eqx.is_array(x) else x
+        wide = jnp.promote_types(x.dtype, jnp.float32)
+        return jnp.mean(x.astype(wide), axis=0).astype(x.dtype)
+
+    return jax.tree.map(avg, state.replica_params)
