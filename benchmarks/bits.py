@@ -83,9 +83,9 @@ def sent_matrix(config: config_lib.RunConfig, num_fragments: int, steps: int):
     Data-Parallel "sends" its one gradient every step.
     """
     m = config.method
-    if m.method == "data_parallel":
+    if m.kind == "data_parallel":
         return np.ones((steps, 1), bool)
-    overlap = m.overlap if m.method == "streaming" else 0
+    overlap = getattr(m, "overlap", 0)  # DiLoCo has none
     schedule = make_schedule(m.sync_every, num_fragments, m.num_replicas, overlap)
     t = jnp.arange(1, steps + 1, dtype=jnp.int32)
     return np.asarray(jax.vmap(schedule.sent)(t))

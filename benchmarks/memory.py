@@ -8,8 +8,8 @@ analysis of each compiled step (arguments, outputs, temporaries). Analytic: N
 parameters of b bytes, Adam's two moments, optax's int32 counters, and for Streaming
 the global copy, the outer Nesterov momentum and the in-flight buffer.
 
-The paper (§2.5, PAPER.md §1.10) counts per replica: Data-Parallel 3N (parameters and
-Adam), DiLoCo 5N (plus global parameters and outer momentum), i.e. 5/3. Our state also
+The paper (§2.5, docs/paper.md §1.10) counts per replica: Data-Parallel 3N (parameters
+and Adam), DiLoCo 5N (plus global parameters and outer momentum), i.e. 5/3. Our state also
 keeps `inflight`, the averaged outer gradient Δ̄ of the fragments in flight, as one
 full-model float32 copy (only the in-flight fragments' entries are meaningful): 6N,
 i.e. 2 = 6/3 of Data-Parallel. The simulated state holds all M replicas on one device
@@ -24,6 +24,7 @@ import equinox as eqx
 import jax
 import numpy as np
 
+import sdiloco
 from benchmarks import _common
 from sdiloco.sim import memory as memory_lib
 
@@ -71,18 +72,11 @@ def analytic(
     }
 
 
-def per_replica(parts: dict[str, int], replicas: int) -> int:
-    """What one worker holds: 1/M of the replica-axis fields, all of the rest.
-
-    Data-Parallel's state has no replica axis: every worker holds all of it.
-    """
-    if "replica_params" not in parts:
-        return sum(parts.values())
-    shared = sum(v for k, v in parts.items() if k not in _REPLICA_FIELDS)
-    return shared + sum(parts[k] for k in _REPLICA_FIELDS) // replicas
-
-
-_REPLICA_FIELDS = ("replica_params", "inner_state", "residual")
+def per_replica(parts: dict[str, int], fields: tuple[str, ...], replicas: int) -> int:
+    """What one worker holds: 1/M of the replica fields (`fields`, as the state
+    declares them in `replica_fields`), all of the rest."""
+    shared = sum(v for k, v in parts.items() if k not in fields)
+    return shared + sum(parts.get(k, 0) for k in fields) // replicas
 
 
 def step_memory(run: Any, state: Any) -> dict[str, int]:
@@ -114,7 +108,7 @@ def main() -> None:
     args = parser.parse_args()
     print(_common.machine())
     M = args.replicas
-    rows = {}
+    rows, fields = {}, {}
     for preset in ("streaming_overlap_fp4", "diloco", "data_parallel"):
         config = _common.run_config(preset, model=args.model, replicas=M)
         run = _common.build(config)
@@ -125,18 +119,19 @@ def main() -> None:
         )
         p = len(run.algorithm.bits_per_fragment(run.model))
         method = "data_parallel" if preset == "data_parallel" else "streaming"
+        fields[preset] = sdiloco.replica_fields(state)
         rows[preset] = (
             measured(state),
             analytic(n, method, replicas=M, num_fragments=p),
             step_memory(run, state),
         )
     print(f"model {args.model}: N = {n:,} float32 parameters, M = {M}\n")
-    fields = list(rows["streaming_overlap_fp4"][0])
+    field_names = list(rows["streaming_overlap_fp4"][0])
     print(
         "| state field | " + " | ".join(f"{k} measured (analytic)" for k in rows) + " |"
     )
     print("|---|" + "---|" * len(rows))
-    for field in fields:
+    for field in field_names:
         cells = []
         for meas, ana, _ in rows.values():
             cells.append(f"{meas[field]:,} ({ana[field]:,})" if field in meas else "-")
@@ -147,7 +142,7 @@ def main() -> None:
         + " | ".join(f"{m:,} ({a:,})" for m, a in totals.values())
         + " |"
     )
-    per = {k: per_replica(m, M) for k, (m, _, _) in rows.items()}
+    per = {k: per_replica(m, fields[k], M) for k, (m, _, _) in rows.items()}
     dp = per["data_parallel"]
     print(
         "| **per replica (deployed)** | "

@@ -12,7 +12,7 @@ step, each one `eqx.filter_jit` region with the state donated:
   the `[B, L]` batch, with no replica axis at all.
 
 A fourth, **streaming+fast_rounding**, is the streaming step traced with the proposed
-change to `sdiloco.quantizers._round_nearest` (`round_nearest_compare_all`).
+change to `sdiloco.compression.formats.round_nearest` (`round_nearest_compare_all`).
 
 They run interleaved, `--per-round` steps each per round (in alternating order), every
 step timed on its own (blocking), so all see the same load. A streaming step is
@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import _common
-from sdiloco.compression import quantizers
+from sdiloco.compression import formats
 from sdiloco.lab import model as model_lib
 
 
@@ -86,7 +86,7 @@ def plain_optax(loss_fn: Callable[..., Any], inner: Any) -> tuple[Callable, Call
 
 
 def round_nearest_compare_all(a: jax.Array, mags: np.ndarray) -> jax.Array:
-    """The proposed `sdiloco.quantizers._round_nearest`: bitwise the same codes.
+    """The proposed `sdiloco.compression.formats.round_nearest`: bitwise the same codes.
 
     The only change is `method=` of `jnp.searchsorted`: the default ("scan") is a
     loop of gathers; comparing against every midpoint is ~3-4x faster on XLA:CPU for
@@ -108,12 +108,12 @@ def with_fast_rounding(step: Callable) -> Callable:
     """
 
     def patched(state, batch):
-        original = quantizers._round_nearest
-        quantizers._round_nearest = round_nearest_compare_all
+        original = formats.round_nearest
+        formats.round_nearest = round_nearest_compare_all
         try:
             return step(state, batch)
         finally:
-            quantizers._round_nearest = original
+            formats.round_nearest = original
 
     return patched
 

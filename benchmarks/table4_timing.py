@@ -1,7 +1,7 @@
 """Time the whole of Table 4, and print our Tables 4 and 1 and the rebuttal table.
 
 Usage: `python benchmarks/table4_timing.py [--fit]`. `--fit` also scans the
-bits-per-parameter constant over the 1B rows of Table 4 (PAPER.md §5.2 item 8).
+bits-per-parameter constant over the 1B rows of Table 4 (docs/paper.md §5.2 item 8).
 """
 
 import argparse
@@ -97,8 +97,8 @@ def main() -> None:
 
     w = ut.paper_workload("1B")
     bf16 = ut.BF16_BITS_PER_PARAM
-    dp = ut.data_parallel(bf16)
-    sd = ut.streaming(100, overlap_steps=1, fp4=True, bits_per_param=bf16)
+    dp = ut.data_parallel_method(bf16)
+    sd = ut.streaming_method(100, overlap_steps=1, fp4=True, bits_per_param=bf16)
     print(f"\nTable 1 hours (1B, 0.1 s/step, {bf16:g} bits/param), ours (paper):")
     print("| Tokens | Steps | DP +inf | DP 1 Gbit/s | Streaming +inf | Streaming 1 |")
     print("|---|---|---|---|---|---|")
@@ -116,9 +116,9 @@ def main() -> None:
 
     for bits in (ut.TABLE4_BITS_PER_PARAM, bf16):
         methods = (
-            ut.data_parallel(bits),
-            ut.diloco(100, bits),
-            ut.streaming(100, overlap_steps=1, fp4=True, bits_per_param=bits),
+            ut.data_parallel_method(bits),
+            ut.diloco_method(100, bits),
+            ut.streaming_method(100, overlap_steps=1, fp4=True, bits_per_param=bits),
         )
         print(
             f"\nRebuttal wall clock (1B, 0.1 s/step, {REBUTTAL_STEPS:,} steps, Gbit/s, "

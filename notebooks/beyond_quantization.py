@@ -14,8 +14,8 @@
 # %% [markdown]
 # # Beyond the paper: 4-bit formats, scaling granularity, rounding and error feedback
 #
-# **Reviewers asked** (PAPER.md §9) why E3M0, how the outer gradients are scaled, and
-# whether stochastic rounding or error feedback would help. The paper sends E3M0 with
+# **Reviewers asked** (docs/paper.md §9) why E3M0, how the outer gradients are scaled,
+# and whether stochastic rounding or error feedback would help. The paper sends E3M0 with
 # one scale per tensor and does not ablate the rest.
 #
 # **Here.** Streaming DiLoCo with overlapped communication (τ = 1, α = 0.5) on `tiny-s`,

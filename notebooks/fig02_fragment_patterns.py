@@ -22,7 +22,8 @@
 # (`sdiloco.fragments_by_layer`) and sync schedule (`sdiloco.make_schedule`) for an
 # 8-layer transformer with 2 layers per fragment: each cell is coloured by the fragment
 # of that layer at the steps where that fragment is sent, over two sync periods.
-# Non-block parameters (embedding, final norm) are fragment 0, as in SPEC §1.
+# Non-block parameters (embedding, final norm) are fragment 0, as in
+# docs/contract.md §1.
 
 # %%
 import dataclasses
@@ -140,4 +141,4 @@ print(plotting.markdown_table(table))
 # **Agrees with the paper.** Sequential fragments are contiguous blocks of layers
 # (1-2, 3-4, ...); strided fragments interleave them (1 and 5, 2 and 6, ...), and one
 # fragment is sent every H / P steps. The embeddings are a fragment of their own here
-# (fragment 0, SPEC §1); the paper's drawing colours them like the layers.
+# (fragment 0, docs/contract.md §1); the paper's drawing colours them like the layers.

@@ -108,12 +108,12 @@ LEGEND = [
 # %%
 W3 = workload(num_layers=2, seconds_per_layer_message=0.5)
 FIG3_METHODS = {
-    "Data-Parallel": ut.data_parallel(BITS),
-    "DiLoCo (H = 2)": ut.diloco(2, BITS),
-    "Streaming DiLoCo (1 layer/fragment, P = 2, H = 2)": ut.streaming(
+    "Data-Parallel": ut.data_parallel_method(BITS),
+    "DiLoCo (H = 2)": ut.diloco_method(2, BITS),
+    "Streaming DiLoCo (1 layer/fragment, P = 2, H = 2)": ut.streaming_method(
         2, layers_per_fragment=1, bits_per_param=BITS
     ),
-    "Streaming DiLoCo with overlap (τ = 1)": ut.streaming(
+    "Streaming DiLoCo with overlap (τ = 1)": ut.streaming_method(
         2, layers_per_fragment=1, overlap_steps=1, bits_per_param=BITS
     ),
 }
@@ -169,7 +169,7 @@ print(plotting.markdown_table(fig3_table))
 # %%
 W14 = workload(num_layers=4, seconds_per_layer_message=0.3)
 FIG14_METHODS = {
-    pattern: ut.streaming(
+    pattern: ut.streaming_method(
         2, layers_per_fragment=2, pattern=pattern, bits_per_param=BITS
     )
     for pattern in ("sequential", "strided")
@@ -237,5 +237,5 @@ print(plotting.markdown_table(fig14_table))
 # layer 3's reduction overlaps the backward of layers 2-1, so the stall is about one
 # message (CU 85 % strided vs 82 % sequential here), the paper's argument for the
 # strided pattern. **Differs:** the simulator draws the backward as one green box per
-# layer (activations and parameters lumped, PAPER.md §5.2), where the paper draws two
-# shades of green; the CU values are for this toy workload only.
+# layer (activations and parameters lumped, docs/paper.md §5.2), where the paper draws
+# two shades of green; the CU values are for this toy workload only.

@@ -27,7 +27,7 @@
 # Data-Parallel needs "100, 200, and 300 Gbit/s"; the text adds that with overlap the
 # required bandwidth *drops* as the model grows (longer steps hide more transfer).
 #
-# **Here.** The library's simulator (`sdiloco.sim.utilization`, PAPER.md §5.2: a
+# **Here.** The library's simulator (`sdiloco.sim.utilization`, docs/paper.md §5.2: a
 # per-layer DAG of forwards, backwards and FIFO reductions, 13.4 bits per parameter,
 # FP4 = 13.4 / 4, latency 0) is run for the paper's three workloads and its five
 # methods (`table4_methods`). Table 4 is read off the paper's bandwidth grid
@@ -57,7 +57,7 @@ METHOD_KEYS = (  # plotting.METHOD_COLORS keys, in the order of ut.table4_method
 # The curves: the paper's 50-point grid in FAST mode, 4x finer in the full run.
 CURVE_GRID = ut.BANDWIDTH_GRID if plotting.FAST else np.logspace(-1, 3, 197)
 
-# Paper Table 4 (PAPER.md §3), 1B rows; the 10B and 100B rows are held out.
+# Paper Table 4 (docs/paper.md §3), 1B rows; the 10B and 100B rows are held out.
 PAPER_1B = {
     "Data-Parallel": (86.8, 152.6, 184.2, 222.3, 569.0),
     "Vanilla DiLoCo": (1.4, 6.2, 13.3, 23.3, 86.8),

@@ -29,15 +29,15 @@
 #   to 100 % compute utilization with 4 Gbits per second vs 1 Tbit per second for
 #   Data-Parallel".
 #
-# **Here.** The library's simulator (`sdiloco.sim.utilization`, PAPER.md §5.2; 13.4 bits
-# per parameter, FP4 = 13.4 / 4, latency 0, H = 100, 3 layers per fragment, τ = 1
-# unless swept) for the same workloads. The paper does not state the methods of
+# **Here.** The library's simulator (`sdiloco.sim.utilization`, docs/paper.md §5.2;
+# 13.4 bits per parameter, FP4 = 13.4 / 4, latency 0, H = 100, 3 layers per fragment,
+# τ = 1 unless swept) for the same workloads. The paper does not state the methods of
 # Figs. 7 and 9: we show Streaming DiLoCo without and with overlap (τ = 1) for Fig. 7,
 # and sweep τ for Streaming DiLoCo with overlapped 13.4-bit and FP4 communication for
 # Fig. 9. Nor does it state the layer counts of Fig. 16: we use Llama-3-405B's 126
 # and DeepSeek-V3's 61 (`paper_workload("llama405b")`, `paper_workload("deepseek_v3")`;
-# inferred, PAPER.md §4). Fig. 15 keeps the 100B model's 108 layers and changes only the
-# step time. The bandwidths quoted below are the first point of Table 4's grid
+# inferred, docs/paper.md §4). Fig. 15 keeps the 100B model's 108 layers and changes
+# only the step time. The bandwidths quoted below are the first point of Table 4's grid
 # (`BANDWIDTH_GRID`) whose CU reaches the target.
 
 # %%
@@ -122,7 +122,7 @@ fig7 = {}
 fig, (ax, axd) = plt.subplots(1, 2, figsize=(11, 4))
 for tau, key in ((0, "streaming"), (1, "streaming_overlap")):
     for pattern, ls in (("strided", "-"), ("sequential", "--")):
-        m = ut.streaming(100, pattern=pattern, overlap_steps=tau)
+        m = ut.streaming_method(100, pattern=pattern, overlap_steps=tau)
         fig7[tau, pattern] = ut.utilization_curve(W100, m, GRID)
         ax.plot(
             GRID,
@@ -151,7 +151,7 @@ fig.suptitle("Fig. 7: sequential vs strided fragment pattern (100B, 4.9 s/step)"
 fig.tight_layout()
 
 fig7_need = {
-    (tau, p): need(W100, ut.streaming(100, pattern=p, overlap_steps=tau), 0.95)
+    (tau, p): need(W100, ut.streaming_method(100, pattern=p, overlap_steps=tau), 0.95)
     for tau in (0, 1)
     for p in ("strided", "sequential")
 }
@@ -205,7 +205,7 @@ fig9 = {}
 fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
 colors = plt.get_cmap("viridis")(np.linspace(0, 0.9, len(TAUS)))
 for ax, fp4 in zip(axes, (False, True)):
-    base = ut.streaming(100, overlap_steps=1, fp4=fp4)
+    base = ut.streaming_method(100, overlap_steps=1, fp4=fp4)
     fig9[fp4] = ut.tau_sweep(W100, base, TAUS, GRID)
     for tau, cu, c in zip(TAUS, fig9[fp4], colors):
         ax.plot(GRID, cu, color=c, label=f"τ = {tau}")
@@ -217,7 +217,7 @@ fig.suptitle("Fig. 9: overlapping τ inner steps with communication (100B, H = 1
 fig.tight_layout()
 
 fig9_need = {
-    (fp4, tau): need(W100, ut.streaming(100, overlap_steps=tau, fp4=fp4), 0.95)
+    (fp4, tau): need(W100, ut.streaming_method(100, overlap_steps=tau, fp4=fp4), 0.95)
     for fp4 in (False, True)
     for tau in TAUS
 }

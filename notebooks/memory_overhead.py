@@ -24,8 +24,8 @@
 # milliseconds".
 #
 # **Here.** The same quantities from `sdiloco.sim.memory.memory_footprint` (the "GB" of
-# the paper are GiB, PAPER.md §1.10), then a check against the library's own training
-# state: we build the real `StreamingState` (and `DataParallelState`) of tiny models
+# the paper are GiB, docs/paper.md §1.10), then a check against the library's own
+# training state: we build the real `StreamingState` (and `DataParallelState`) of tiny models
 # with `sdiloco.lab.train.build(...).init_state()`, count the bytes of every field with
 # `nbytes` over its leaves, and compare one replica's share with `memory_footprint`'s
 # prediction for the same parameter count.
@@ -36,6 +36,7 @@ import matplotlib.pyplot as plt
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
+import sdiloco
 from sdiloco.lab import config as config_lib, train
 from sdiloco.paper import plotting
 from sdiloco.sim import memory
@@ -123,27 +124,13 @@ PAPER_TERM = {
     "inflight": "in-flight outer gradient (not in the paper)",
     "residual": "error-feedback residual (off here)",
 }
-PER_REPLICA_FIELDS = ("replica_params", "inner_state", "residual")
-
-
-def field_bytes(state, num_replicas: int) -> dict[str, float]:
-    """Bytes of one replica's share of each field of a library state."""
-    out = {}
-    for name in state._fields:
-        total = sum(int(x.nbytes) for x in jax.tree.leaves(getattr(state, name)))
-        if type(state).__name__ == "StreamingState" and name in PER_REPLICA_FIELDS:
-            total /= num_replicas
-        out[name] = total
-    return out
-
-
 state_rows, summary_rows, bars = [], [], {}
 for model_name in MODELS:
     for method in METHODS:
         run = train.build(config_lib.preset(method, model=model_name))
         num_params = sum(int(x.size) for x in jax.tree.leaves(run.model))
         param_bytes = 4.0 * num_params  # float32 parameters
-        per_field = field_bytes(run.init_state(), run.algorithm.num_replicas)
+        per_field = sdiloco.per_replica_bytes(run.init_state())
         if method == "data_parallel":  # params live in global_params for DP
             terms = {
                 "global_params": "parameters (1×)",

@@ -14,8 +14,8 @@
 # %% [markdown]
 # # Rebuttal table: wall-clock time at 1 / 10 / 100 / 1000 Gbit/s
 #
-# **Paper.** The authors' OpenReview rebuttal (PAPER.md §9; not in the paper itself)
-# estimates the wall-clock time of training a 1B model, 0.1 s of pure compute per step,
+# **Paper.** The authors' OpenReview rebuttal (docs/paper.md §9; not in the paper
+# itself) estimates the wall-clock time of training a 1B model, 0.1 s of pure compute per step,
 # 186,250 steps (5.2 h of pure compute), at four bandwidths written as "GiB":
 # Data-Parallel 21 days / 2 days / 10 h / 5 h, DiLoCo 12 h / 6 h / 5 h / 5 h, Streaming
 # DiLoCo with overlapped FP4 communication 6 h / 5 h / 5 h / 5 h at 1 / 10 / 100 / 1000.
@@ -47,7 +47,7 @@ BANDWIDTHS = (1.0, 10.0, 100.0, 1000.0)
 WORKLOAD = ut.paper_workload("1B")
 BITS = {"bf16": ut.BF16_BITS_PER_PARAM, "table4": ut.TABLE4_BITS_PER_PARAM}
 
-# The rebuttal's numbers (PAPER.md §9), in hours, as printed (rounded).
+# The rebuttal's numbers (docs/paper.md §9), in hours, as printed (rounded).
 PAPER_HOURS = {
     "Data-Parallel": {1.0: 21 * 24, 10.0: 2 * 24, 100.0: 10, 1000.0: 5},
     "DiLoCo": {1.0: 12, 10.0: 6, 100.0: 5, 1000.0: 5},
@@ -68,9 +68,9 @@ PAPER_TEXT = {
 def methods(bits_per_param: float) -> dict[str, ut.Method]:
     """The rebuttal's three methods, with the Table 4 settings."""
     return {
-        "Data-Parallel": ut.data_parallel(bits_per_param),
-        "DiLoCo": ut.diloco(100, bits_per_param),
-        "Streaming DiLoCo, overlapped FP4": ut.streaming(
+        "Data-Parallel": ut.data_parallel_method(bits_per_param),
+        "DiLoCo": ut.diloco_method(100, bits_per_param),
+        "Streaming DiLoCo, overlapped FP4": ut.streaming_method(
             100,
             layers_per_fragment=3,
             overlap_steps=1,
@@ -113,7 +113,7 @@ print(plotting.markdown_table(table))
 scan = np.linspace(4.0, 20.0, 161)
 dp_at_1 = np.array(
     [
-        ut.wall_clock_hours(WORKLOAD, ut.data_parallel(float(b)), 1.0, STEPS)
+        ut.wall_clock_hours(WORKLOAD, ut.data_parallel_method(float(b)), 1.0, STEPS)
         for b in scan
     ]
 )
@@ -130,8 +130,8 @@ notes = (
     "(`sdiloco.sim.utilization.wall_clock_hours`). 16 bit/param = bf16 "
     "(`BF16_BITS_PER_PARAM`, the Table 1 fit); 13.4 bit/param = `TABLE4_BITS_PER_PARAM` "
     f"(the Table 4 fit). The rebuttal's DP number at 1 implies {implied_bits:.1f} "
-    "bit/param in our simulator. Paper numbers: PAPER.md §9 (OpenReview rebuttal), "
-    "rounded, unit written 'GiB'."
+    "bit/param in our simulator. Paper numbers: docs/paper.md §9 (OpenReview "
+    "rebuttal), rounded, unit written 'GiB'."
 )
 plotting.save_table(
     table,

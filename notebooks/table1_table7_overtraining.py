@@ -75,8 +75,8 @@ stats = ex.summarize(results)
 # %%
 workload = ut.paper_workload("1B")
 sim_methods = {
-    "Data-Parallel": ut.data_parallel(ut.BF16_BITS_PER_PARAM),
-    "Ours": ut.streaming(
+    "Data-Parallel": ut.data_parallel_method(ut.BF16_BITS_PER_PARAM),
+    "Ours": ut.streaming_method(
         100, overlap_steps=1, fp4=True, bits_per_param=ut.BF16_BITS_PER_PARAM
     ),
 }

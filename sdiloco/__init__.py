@@ -18,6 +18,16 @@ from .base import (
     replica_fields as replica_fields,
     replica_params as replica_params,
 )
+from .compression import (
+    FORMATS as FORMATS,
+    Compressor as Compressor,
+    Quantized as Quantized,
+    Quantizer as Quantizer,
+    dare as dare,
+    fed_dropout as fed_dropout,
+    quantizer as quantizer,
+    top_k as top_k,
+)
 from .data_parallel import (
     DataParallelState as DataParallelState,
     data_parallel as data_parallel,
@@ -29,16 +39,6 @@ from .fragments import (
     fragments_from_labels as fragments_from_labels,
     fragments_from_masks as fragments_from_masks,
     single_fragment as single_fragment,
-)
-from .compression import (
-    FORMATS as FORMATS,
-    Compressor as Compressor,
-    Quantized as Quantized,
-    Quantizer as Quantizer,
-    dare as dare,
-    fed_dropout as fed_dropout,
-    quantizer as quantizer,
-    top_k as top_k,
 )
 from .schedule import (
     Schedule as Schedule,

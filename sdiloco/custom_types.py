@@ -2,7 +2,7 @@
 
 from typing import Any
 
-from jaxtyping import Array, Bool, Float, Int, PyTree
+from jaxtyping import Array, PyTree
 
 
 Params = PyTree[Any, "P"]
@@ -14,13 +14,5 @@ Replicated = PyTree[Any, "P"]
 Batch = PyTree[Any]
 """One step of data for all replicas: every leaf has a leading axis of size M."""
 
-Step = Int[Array, ""]
-"""A traced step counter."""
-
-FragmentMask = Bool[Array, " P"]
-"""One boolean per fragment (e.g. which fragments are sent at this step)."""
-
 Metrics = dict[str, Array]
 """Flat, `/`-namespaced metrics of one step."""
-
-Scalar = Float[Array, ""]

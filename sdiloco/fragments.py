@@ -13,7 +13,8 @@ functions, static fields of an Equinox module) is ignored.
 Three ways to build fragments:
 
 - `fragments_by_layer`: by layer index for models whose blocks are stacked on one axis,
-  strided or sequential, with all non-block parameters in fragment 0 (SPEC §1);
+  strided or sequential, with all non-block parameters in fragment 0
+  (docs/contract.md §1);
 - `fragments_from_labels`: an explicit label per leaf or per row, for any pytree;
 - `fragments_from_masks`: one boolean mask per fragment, checked to partition exactly.
 """
@@ -109,7 +110,7 @@ def fragments_by_layer(
     1..P_b: strided puts block ℓ in fragment `1 + ℓ mod P_b`, sequential in
     `1 + ℓ // layers_per_fragment`. Every other parameter (embeddings, final norm, head)
     is fragment 0, so `P = P_b + 1`; a model with no non-block parameters has fragments
-    `0..P_b-1` instead (SPEC §1; PAPER.md §1.4).
+    `0..P_b-1` instead (docs/contract.md §1; docs/paper.md §1.4).
 
     Args:
         params: the parameters (any pytree, e.g. an Equinox model).

@@ -2,7 +2,8 @@
 
 Fragment p is **sent** at every step `t = f_p + k·H` (k ≥ 0); what was sent at step `s`
 is **received** by replica m at step `s + τ_m` (Alg. 2, l.6 and l.9). The global
-parameters take their outer step at the earliest arrival `s + min_m τ_m` (SPEC §1, 3.).
+parameters take their outer step at the earliest arrival `s + min_m τ_m`
+(docs/contract.md §1, step 3).
 Steps are 1-based: the first training step is t = 1.
 """
 

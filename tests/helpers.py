@@ -1,5 +1,7 @@
 """Shared test helpers: a toy stacked-block model with a closed-form gradient, tree checks."""
 
+import socket
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -93,3 +95,10 @@ def relaxed(opt: optax.GradientTransformation) -> optax.GradientTransformation:
             return opt.update(updates, state, params)
 
     return optax.GradientTransformation(init, update)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that the OS reports free (bind to port 0, then close)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import sdiloco
-from sdiloco.compression import quantizers
+from sdiloco.compression import formats
 
 
 _ROOT = str(pathlib.Path(__file__).resolve().parents[1])
@@ -91,8 +91,11 @@ def test_state_bytes_match_the_analytic_count():
         method = "data_parallel" if preset == "data_parallel" else "streaming"
         n = bits.num_params(run.model)
         assert parts == memory.analytic(n, method, replicas=2, num_fragments=p)
-    streaming = memory.per_replica(memory.analytic(n, "streaming", replicas=2), 2)
-    dp = memory.per_replica(memory.analytic(n, "data_parallel", replicas=2), 2)
+    fields = sdiloco.StreamingState.replica_fields
+    streaming = memory.per_replica(
+        memory.analytic(n, "streaming", replicas=2), fields, 2
+    )
+    dp = memory.per_replica(memory.analytic(n, "data_parallel", replicas=2), (), 2)
     # Paper §2.5: 5/3 of Data-Parallel; ours adds the in-flight buffer: 6/3.
     assert streaming / dp == pytest.approx(2, rel=1e-4)
     assert (streaming - 4 * n) / dp == pytest.approx(5 / 3, rel=1e-4)
@@ -103,7 +106,7 @@ def test_proposed_rounding_gives_the_library_codes(format):
     scales = jnp.logspace(-6, 2, 300, dtype=jnp.float32)[None]
     x = jr.normal(jr.key(0), (4, 300)) * scales
     q = sdiloco.quantizer(format, granularity="row")
-    mags = quantizers._magnitudes(format)
+    mags = formats.magnitudes(format)
     mids = (mags[1:] + mags[:-1]) / 2
     # Row 1's amax is the top value, so its midpoints are exact ties; row 0 is not
     # finite.

@@ -1,4 +1,4 @@
-"""Tests for sdiloco.quantization: properties, references, bit costs, errors."""
+"""Tests for sdiloco.compression: properties, references, bit costs, errors."""
 
 import math
 

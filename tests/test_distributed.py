@@ -2,8 +2,8 @@
 
 Numerics. In the exchange, every replica's reconstruction of every message is bitwise
 the simulation's (same quantizer, same keys, integer codes moved verbatim); the mean is
-the same `jnp.mean` of the same values, up to the summation order XLA picks (M - 1
-roundings). A whole sharded step is not bitwise: XLA:CPU compiles the per-device
+the same fixed-order `communication.average` of the same values (checked here within
+M - 1 roundings). A whole sharded step is not bitwise: XLA:CPU compiles the per-device
 program (an `[M/D, ...]` slice of the replica axis, a size-1 axis squeezed away) with
 different dot kernels and operand layouts than the `[M, ...]` program, so the inner
 step differs by float32 rounding (a few ulp per step). Over the steps here the
@@ -17,6 +17,7 @@ import dataclasses
 import math
 import os
 import pathlib
+import socket
 import subprocess
 import sys
 import time
@@ -28,9 +29,9 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import optax
-import portpicker
 import pytest
 from helpers import (
+    free_port,
     relaxed,
     toy_batches,
     toy_loss,
@@ -147,8 +148,8 @@ def test_exchange_equals_the_simulation(compressor, devices):
     # What every replica reconstructs of every other's message is bitwise the same.
     assert tree_equal(_host(own), _host(ref_own))
     assert all(x.sharding.spec == PartitionSpec("replica") for x in own)
-    # The mean is the same `jnp.mean` of the same [M, ...] values, but XLA may fuse it
-    # with a different summation order: at most M - 1 roundings of partial sums.
+    # The mean is the same fixed-order `communication.average` of the same [M, ...]
+    # values; checked within M - 1 roundings of partial sums.
     for got, ref, values in zip(mean, ref_mean, ref_own):
         bound = M * np.finfo(np.float32).eps * np.mean(np.abs(np.asarray(values)), 0)
         assert np.all(np.abs(np.asarray(got) - np.asarray(ref)) <= bound)
@@ -342,8 +343,15 @@ def _kill(procs):
             p.wait()
 
 
+def test_free_port_is_bindable():
+    port = free_port()
+    assert 0 < port < 65536
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", port))
+
+
 def test_two_processes_equal_single_process(tmp_path):
-    port = portpicker.pick_unused_port()
+    port = free_port()
     out = tmp_path / "params.npz"
     worker = str(ROOT / "tests" / "distributed_worker.py")
     deadline = time.monotonic() + 180
@@ -390,7 +398,7 @@ def test_launch_two_processes(tmp_path):
         for f in dataclasses.fields(config)
         if getattr(config, f.name) != f.default
     ]
-    port = portpicker.pick_unused_port()
+    port = free_port()
     out = tmp_path / "params.npz"
     deadline = time.monotonic() + 500
     procs = _start(

@@ -77,8 +77,8 @@ def test_by_layer_partitions_exactly(layers, k, pattern, extra):
 
 
 def test_strided_example_24_layers():
-    # PAPER.md §1.4: with 24 layers and 3 layers per fragment, fragment 1 = layers 1, 9, 17
-    # (1-indexed), i.e. 0-based blocks 0, 8, 16; the non-block parameters are fragment 0.
+    # docs/paper.md §1.4: with 24 layers and 3 layers per fragment, fragment 1 = layers
+    # 1, 9, 17 (1-indexed), i.e. 0-based blocks 0, 8, 16; the non-block parameters are fragment 0.
     frags = sdiloco.fragments_by_layer(_params(24), blocks=lambda p: p["blocks"])
     block = frags.labels[0]
     assert frags.num_fragments == 9

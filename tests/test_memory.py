@@ -1,4 +1,4 @@
-"""Tests for the memory calculator (paper §2.5; PAPER.md §1.10)."""
+"""Tests for the memory calculator (paper §2.5; docs/paper.md §1.10)."""
 
 import math
 

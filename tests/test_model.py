@@ -31,7 +31,7 @@ SMALL = ModelConfig(
     vocab_size=256, num_layers=3, width=32, num_heads=2, mlp_hidden=128, seq_len=16
 )
 
-# PAPER.md §2.1, derived sizes: (non-embedding, + tied embedding), in parameters.
+# docs/paper.md §2.1, derived sizes: (non-embedding, + tied embedding), in parameters.
 PAPER_COUNTS = {
     "35M": (18.9e6, 35.3e6),
     "100M": (63.7e6, 88.3e6),
@@ -152,7 +152,7 @@ def test_tiny_ladder():
 
 @pytest.mark.parametrize("name", sorted(PAPER_SCALES))
 def test_paper_scales_abstract(name):
-    """Each Table 2 scale builds abstractly and matches PAPER.md §2.1 within 1 %."""
+    """Each Table 2 scale builds abstractly and matches docs/paper.md §2.1 (1 %)."""
     config = preset(name)
     hidden, layers, heads = TABLE_2[name]
     assert (config.mlp_hidden, config.num_layers, config.num_heads) == TABLE_2[name]

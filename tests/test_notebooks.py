@@ -89,7 +89,7 @@ def test_committed_artifacts_are_full_mode():
 
 
 def test_figures_cli_rejects_unknown_name(capsys):
-    with pytest.raises(SystemExit) as e:
-        figures.main(["no-such-notebook"])
-    assert e.value.code == 2
-    assert "no-such-notebook" in capsys.readouterr().err
+    assert figures.main(["no-such-notebook"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1
+    assert "no-such-notebook" in err

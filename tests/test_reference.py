@@ -1,8 +1,8 @@
 """Reference numerics: sdiloco against an independent float64 NumPy Streaming DiLoCo.
 
-The NumPy code below is written from SPEC §1 for this test alone: its own gradients
-(closed form for the toy model), its own AdamW and Nesterov, its own fragment assignment
-and schedule. No sdiloco code is used by it.
+The NumPy code below is written from docs/contract.md §1 for this test alone: its own
+gradients (closed form for the toy model), its own AdamW and Nesterov, its own fragment
+assignment and schedule. No sdiloco code is used by it.
 """
 
 import equinox as eqx

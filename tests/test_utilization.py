@@ -1,4 +1,4 @@
-"""Tests for the compute-utilization simulator (Tables 1 and 4; PAPER.md §5, §6)."""
+"""Tests for the compute-utilization simulator (Tables 1, 4; docs/paper.md §5, §6)."""
 
 import dataclasses
 import math
@@ -11,7 +11,7 @@ from hypothesis import given, strategies as st
 import sdiloco.sim.utilization as ut
 
 
-# Paper Table 4, 1B rows (PAPER.md §3), Gbit/s for CU = 50 / 80 / 90 / 95 / 99 %.
+# Paper Table 4, 1B rows (docs/paper.md §3), Gbit/s for CU = 50 / 80 / 90 / 95 / 99 %.
 PAPER_TABLE4_1B = {
     "Data-Parallel": (86.8, 152.6, 184.2, 222.3, 569.0),
     "Vanilla DiLoCo": (1.4, 6.2, 13.3, 23.3, 86.8),
@@ -20,12 +20,12 @@ PAPER_TABLE4_1B = {
     "Streaming DiLoCo w/ overlapped FP4 com.": (0.4, 0.9, 1.7, 2.0, 3.0),
 }
 
-# Paper Table 1 (1B, Dolma): hours at +inf and at 1 Gbit/s (PAPER.md §3).
+# Paper Table 1 (1B, Dolma): hours at +inf and at 1 Gbit/s (docs/paper.md §3).
 PAPER_TABLE1_HOURS = {
     "Data-Parallel": {25: (0.67, 109), 100: (2.7, 438), 250: (6.75, 1097)},
     "Streaming": {25: (0.67, 0.88), 100: (2.7, 3.5), 250: (6.75, 8.75)},
 }
-# Steps = hours(+inf) / 0.1 s (PAPER.md §6.2): 972 steps per billion tokens.
+# Steps = hours(+inf) / 0.1 s (docs/paper.md §6.2): 972 steps per billion tokens.
 TABLE1_STEPS = {25: 24_300, 100: 97_200, 250: 243_000}
 
 GRID_STEP = 10 ** (4 / 49)  # ratio of two neighbouring points of Table 4's grid
@@ -37,14 +37,16 @@ def _one_b():
 
 def _small_methods():
     return [
-        ut.data_parallel(),
-        ut.diloco(10),
-        ut.streaming(10, layers_per_fragment=2),
-        ut.streaming(10, layers_per_fragment=2, overlap_steps=1),
-        ut.streaming(10, layers_per_fragment=2, overlap_steps=3, fp4=True),
-        ut.streaming(10, layers_per_fragment=3, pattern="sequential", overlap_steps=2),
-        ut.eager(10, layers_per_fragment=2),
-        ut.eager(10, layers_per_fragment=None, fp4=False),
+        ut.data_parallel_method(),
+        ut.diloco_method(10),
+        ut.streaming_method(10, layers_per_fragment=2),
+        ut.streaming_method(10, layers_per_fragment=2, overlap_steps=1),
+        ut.streaming_method(10, layers_per_fragment=2, overlap_steps=3, fp4=True),
+        ut.streaming_method(
+            10, layers_per_fragment=3, pattern="sequential", overlap_steps=2
+        ),
+        ut.eager_method(10, layers_per_fragment=2),
+        ut.eager_method(10, layers_per_fragment=None, fp4=False),
     ]
 
 
@@ -77,8 +79,8 @@ def test_table4_1b_non_fp4_rows_land_on_the_papers_grid_point():
 def test_table1_hours_within_5_percent(tokens):
     w, steps = _one_b(), TABLE1_STEPS[tokens]
     methods = {
-        "Data-Parallel": ut.data_parallel(ut.BF16_BITS_PER_PARAM),
-        "Streaming": ut.streaming(
+        "Data-Parallel": ut.data_parallel_method(ut.BF16_BITS_PER_PARAM),
+        "Streaming": ut.streaming_method(
             100, overlap_steps=1, fp4=True, bits_per_param=ut.BF16_BITS_PER_PARAM
         ),
     }
@@ -157,17 +159,20 @@ def test_cu_monotone_in_tau(config):
 def test_data_parallel_equals_diloco_at_h_1(window_end):
     w = _one_b()
     for bits in (ut.TABLE4_BITS_PER_PARAM, ut.BF16_BITS_PER_PARAM):
-        dp = ut.utilization_curve(w, ut.data_parallel(bits), window_end=window_end)
-        h1 = ut.utilization_curve(w, ut.diloco(1, bits), window_end=window_end)
+        dp = ut.utilization_curve(
+            w, ut.data_parallel_method(bits), window_end=window_end
+        )
+        h1 = ut.utilization_curve(w, ut.diloco_method(1, bits), window_end=window_end)
         np.testing.assert_array_equal(dp, h1)
         assert dp.min() < 0.1  # not trivially one
 
 
 def test_one_fragment_streaming_equals_diloco():
     w = _one_b()
-    one_fragment = ut.streaming(30, layers_per_fragment=w.num_layers)
+    one_fragment = ut.streaming_method(30, layers_per_fragment=w.num_layers)
     np.testing.assert_array_equal(
-        ut.utilization_curve(w, one_fragment), ut.utilization_curve(w, ut.diloco(30))
+        ut.utilization_curve(w, one_fragment),
+        ut.utilization_curve(w, ut.diloco_method(30)),
     )
 
 
@@ -193,9 +198,9 @@ def test_eager_and_overlap_lower_the_required_bandwidth():
     need = [
         ut.required_bandwidth(w, m, 0.9)
         for m in (
-            ut.streaming(100, fp4=True),
-            ut.streaming(100, overlap_steps=1, fp4=True),
-            ut.eager(100),
+            ut.streaming_method(100, fp4=True),
+            ut.streaming_method(100, overlap_steps=1, fp4=True),
+            ut.eager_method(100),
         )
     ]
     assert need[0] > need[1] > need[2]
@@ -205,7 +210,7 @@ def test_fragments_partition_layers_and_sync_three_times_per_window():
     for name in ("1B", "10B", "100B", "deepseek_v3"):
         L = ut.paper_workload(name).num_layers
         for pattern in ("strided", "sequential"):
-            method = ut.streaming(100, pattern=pattern)
+            method = ut.streaming_method(100, pattern=pattern)
             frag = method.fragment_of_layer(L)
             P = method.num_fragments(L)
             assert P == math.ceil(L / 3)
@@ -216,9 +221,9 @@ def test_fragments_partition_layers_and_sync_three_times_per_window():
             steps = np.arange(method.default_num_steps())
             syncs = (steps[:, None] + 1 - offsets[None, :]) % 100 == 0
             np.testing.assert_array_equal(syncs.sum(axis=0), 3)
-    strided = ut.streaming(100).fragment_of_layer(24)
+    strided = ut.streaming_method(100).fragment_of_layer(24)
     np.testing.assert_array_equal(np.flatnonzero(strided == 0), [0, 8, 16])
-    sequential = ut.streaming(100, pattern="sequential").fragment_of_layer(24)
+    sequential = ut.streaming_method(100, pattern="sequential").fragment_of_layer(24)
     np.testing.assert_array_equal(np.flatnonzero(sequential == 0), [0, 1, 2])
 
 
@@ -234,7 +239,7 @@ def test_presets_build():
     assert ut.paper_workload("100B").step_time == 4.9
     methods = ut.table4_methods()
     assert methods[-1].bits_per_param == ut.TABLE4_BITS_PER_PARAM / 4
-    assert ut.eager(100).overlap_steps == 100
+    assert ut.eager_method(100).overlap_steps == 100
 
 
 # ------------------------------------------------------------------------------------
@@ -297,7 +302,7 @@ def test_trace_is_consistent(window_end):
 def test_trace_shows_the_stall():
     # Vanilla DiLoCo at low bandwidth: the step after the sync waits for all of it.
     w = ut.Workload(num_layers=4, step_time=0.1, num_params=1e9)
-    res = ut.simulate(w, ut.diloco(5, 16.0), 10.0, num_steps=5)
+    res = ut.simulate(w, ut.diloco_method(5, 16.0), 10.0, num_steps=5)
     fwd = res.trace[res.trace["kind"] == "forward"]
     red = res.trace[res.trace["kind"] == "reduce"]
     first = fwd[(fwd["step"] == 5) & (fwd["layer"] == 0)][0]
@@ -347,7 +352,7 @@ def test_bad_method_raises(kwargs):
 
 
 def test_bad_call_arguments_raise():
-    w, m = _one_b(), ut.diloco(10)
+    w, m = _one_b(), ut.diloco_method(10)
     cases = [
         ("bandwidth", lambda: ut.simulate(w, m, 0.0)),
         ("bandwidth", lambda: ut.simulate(w, m, -1.0)),
@@ -373,7 +378,10 @@ def test_bad_call_arguments_raise():
 def test_required_bandwidth_returns_inf_when_not_reached():
     w = _one_b()
     assert (
-        ut.required_bandwidth(w, ut.data_parallel(), 0.99, grid=[1.0, 2.0]) == math.inf
+        ut.required_bandwidth(w, ut.data_parallel_method(), 0.99, grid=[1.0, 2.0])
+        == math.inf
     )
-    out = ut.required_bandwidth(w, ut.data_parallel(), [0.005, 0.99], grid=[1.0, 2.0])
+    out = ut.required_bandwidth(
+        w, ut.data_parallel_method(), [0.005, 0.99], grid=[1.0, 2.0]
+    )
     np.testing.assert_array_equal(out, [1.0, math.inf])

@@ -1,17 +1,26 @@
-"""Replicas sharded over devices and hosts: meshes, the packed wire format, the exchange."""
+"""Replicas sharded over devices and hosts: meshes, the packed wire format, the exchange.
 
-from .exchange import (
-    AXIS as AXIS,
+One concept per module:
+
+- `mesh`: the replica mesh and the placement of states, batches and steps on it;
+- `wire`: the packed `uint8` message of one fragment (`pack4` / `unpack4`, `Wire`);
+- `exchange`: `sharded_exchange`, the per-replica exchange hook of `streaming_diloco`;
+- `hlo`: reading a compiled program's collectives and the bytes on the wire.
+"""
+
+from .exchange import sharded_exchange as sharded_exchange
+from .hlo import (
     Collective as Collective,
     collectives as collectives,
-    pack4 as pack4,
+    wire_bytes as wire_bytes,
+)
+from .mesh import (
+    AXIS as AXIS,
     process_replicas as process_replicas,
     replica_mesh as replica_mesh,
     shard_batch as shard_batch,
     shard_state as shard_state,
-    sharded_exchange as sharded_exchange,
     sharded_step as sharded_step,
     state_shardings as state_shardings,
-    unpack4 as unpack4,
-    wire_bytes as wire_bytes,
 )
+from .wire import pack4 as pack4, unpack4 as unpack4

@@ -5,9 +5,10 @@ One checkpoint holds, under one step directory written atomically by orbax:
 inner states, in-flight fragments, step, key), `data_<m>` (each replica's grain iterator
 position), `config` (the `RunConfig` JSON) and `meta` (host-side counters and the
 metrics history). Restoring checks, before touching anything, that the checkpoint
-exists, has every item, and was written by the same config; the state is restored
-against an abstract exemplar of the current run, so a shape or structure mismatch is an
-error, never a silent partial restore.
+exists, has every item, was written by the same config, and holds arrays of the
+names, shapes and dtypes of the current run's state (read from the checkpoint's
+metadata, before any array is read): a mismatch is an error naming the arrays that
+differ, never a silent partial restore or a cast.
 """
 
 import json
@@ -17,7 +18,9 @@ from typing import Any
 import equinox as eqx
 import grain
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
+from etils import epath
 
 
 STATE, CONFIG, META = "state", "config", "meta"
@@ -105,6 +108,12 @@ class Checkpointer:
                 f"fields (checkpoint vs this run): {diff}."
             )
         arrays, static = eqx.partition(template, eqx.is_array)
+        differences = _compare(_saved_arrays(step_dir), _arrays(arrays))
+        if differences:
+            raise CheckpointError(
+                f"checkpoint {step_dir} holds a state that does not match this run's "
+                f"(checkpoint vs this run): {'; '.join(differences)}."
+            )
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, arrays)
         items = {
             STATE: ocp.args.StandardRestore(abstract),
@@ -118,20 +127,63 @@ class Checkpointer:
             raise CheckpointError(
                 f"checkpoint {step_dir} does not match this run's state: {e}"
             ) from e
-        state = restored[STATE]
-        got = jax.tree.map(lambda x: (x.shape, x.dtype), state)
-        want = jax.tree.map(lambda x: (x.shape, x.dtype), arrays)
-        if got != want:
-            raise CheckpointError(
-                f"checkpoint {step_dir} holds a state of another structure, shape or "
-                "dtype than this run's."
-            )
-        return eqx.combine(state, static), restored[META]
+        return eqx.combine(restored[STATE], static), restored[META]
 
     def close(self) -> None:
         """Wait for pending writes and release the manager."""
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+def _saved_arrays(step_dir: str) -> dict[str, str]:
+    """`{name: "dtype[shape]"}` of the state arrays in a checkpoint (metadata only)."""
+    path = epath.Path(step_dir) / STATE
+    try:
+        tree = ocp.StandardCheckpointHandler().metadata(path).tree
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(
+            f"checkpoint {step_dir}: cannot read the state's metadata: {e}"
+        ) from e
+    return {
+        _name(p): _spec(m.shape, m.dtype)
+        for p, m in jax.tree_util.tree_flatten_with_path(tree)[0]
+    }
+
+
+def _arrays(tree: Any) -> dict[str, str]:
+    """`{name: "dtype[shape]"}` of the arrays of `tree`, named as orbax names them."""
+    return {
+        _name(p): _spec(x.shape, x.dtype)
+        for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+    }
+
+
+def _compare(saved: dict[str, str], want: dict[str, str], limit: int = 5) -> list[str]:
+    """What differs between the checkpoint's arrays and the run's, first `limit`."""
+    out = [
+        f"{k}: {saved[k]} vs {want[k]}"
+        for k in sorted(saved.keys() & want.keys())
+        if saved[k] != want[k]
+    ]
+    for what, names in (
+        ("missing from the checkpoint", sorted(want.keys() - saved.keys())),
+        ("only in the checkpoint", sorted(saved.keys() - want.keys())),
+    ):
+        if names:
+            more = f" and {len(names) - limit} more" if len(names) > limit else ""
+            out.append(f"{what}: {names[:limit]}{more}")
+    if len(out) > limit:
+        out = out[:limit] + [f"and {len(out) - limit} more differences"]
+    return out
+
+
+def _name(path: tuple) -> str:
+    parts = (getattr(k, "name", getattr(k, "key", getattr(k, "idx", k))) for k in path)
+    return ".".join(str(p) for p in parts)
+
+
+def _spec(shape: Any, dtype: Any) -> str:
+    return f"{jnp.dtype(dtype).name}[{','.join(str(d) for d in shape)}]"
 
 
 def _diff(a: Any, b: Any, prefix: str = "") -> list[str]:

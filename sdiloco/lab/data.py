@@ -6,9 +6,9 @@ of `L + 1` consecutive tokens (`targets` is `inputs` shifted left by one), the f
 
 Replicas get i.i.d. shards of one global stream, as in the DiLoCo scaling-laws paper
 ("at each step t, we take a global batch of data of size B, and evenly partition it at
-the sequence level across the M DiLoCo replicas"; PAPER.md §1.13.3, §2.2). The windows
-are shuffled once per epoch with one seed shared by all replicas, and replica `m`
-takes positions `m, m + M, m + 2M, …` of that stream, so within an epoch no window is
+the sequence level across the M DiLoCo replicas"; docs/paper.md §1.13.3, §2.2). The
+windows are shuffled once per epoch with one seed shared by all replicas, and replica
+`m` takes positions `m, m + M, m + 2M, …` of that stream, so within an epoch no window is
 seen by two replicas, and step `t` of all replicas together covers positions
 `[t·B, (t+1)·B)`. Every iterator is a grain `DatasetIterator`, so `get_state()` /
 `set_state()` (or `grain.checkpoint.CheckpointSave`) checkpoint it exactly.

@@ -111,6 +111,19 @@ class LaunchConfig:
                 raise ValueError(f"LaunchConfig.{name}={value!r}; must be an int >= 1.")
 
 
+class Keys(NamedTuple):
+    """The independent PRNG keys of a run, split from `jr.key(config.seed)`."""
+
+    model: Any  # [] key: the model's initialisation
+    algorithm: Any  # [] key: the algorithm state (e.g. stochastic rounding)
+
+
+def keys(config: LaunchConfig) -> Keys:
+    """Split the run's one root key into the model's and the algorithm's."""
+    model, algorithm = jr.split(jr.key(config.seed))
+    return Keys(model, algorithm)
+
+
 class RunResult(NamedTuple):
     """What `run` returns (host values, the same on every process)."""
 
@@ -129,7 +142,7 @@ def build(
     Returns:
         `(params, algorithm)`.
     """
-    params = Transformer(model_config(config), key=jr.key(config.seed))
+    params = Transformer(model_config(config), key=keys(config).model)
     fragments = alg_fragments(params, config)
     inner = optax.chain(
         optax.clip_by_global_norm(1.0),
@@ -208,7 +221,7 @@ def run(
             return jax.tree.map(jnp.asarray, batch)
         return distributed.shard_batch(batch, mesh, num_replicas)
 
-    state = alg.init(params, jr.key(config.seed))
+    state = alg.init(params, keys(config).algorithm)
     batch = next_batch()
     wire = None
     if mesh is None:

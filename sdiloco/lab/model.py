@@ -152,7 +152,7 @@ PAPER_SCALES: dict[str, ModelConfig] = {
     "4B": _paper(12288, 36, 48),
 }
 """The paper's Table 2 scales: "Hidden dim" is the MLP size, width = hidden / 4, head
-size 64, vocabulary 32,000, sequence length 1,024 (PAPER.md §2.1, §1.13.3)."""
+size 64, vocabulary 32,000, sequence length 1,024 (docs/paper.md §2.1, §1.13.3)."""
 
 
 def _tiny(width: int, layers: int, heads: int, seq_len: int) -> ModelConfig:
@@ -310,7 +310,7 @@ class Block(eqx.Module):
 # This differs from (or fills gaps in) the paper in:
 # 1. The paper names only "Chinchilla architecture", QKNorm and z-loss 1e-4; the norm
 #    type (RMSNorm, also for QK-norm), rotary positions, GELU, tied embeddings and the
-#    init are nanodo-like choices (PAPER.md §2.1 marks them [NOT FOUND]).
+#    init are nanodo-like choices (docs/paper.md §2.1 marks them [not found]).
 # 2. The companion paper uses a 32,768-token vocabulary and length 2,048; the presets
 #    follow Streaming DiLoCo's Table 2 (32,000) and its C4 length 1,024.
 class Transformer(eqx.Module):

@@ -141,121 +141,163 @@ def run(
     state = r.init_state()
     iterators = r.iterators()
     history = History(config)
-    totals = {"bits": 0, "peak_bits": 0, "wall_s": 0.0}
+    log = _Log(r, history, progress)
     ckpt = None
     if out_dir is not None:
-        os.makedirs(out_dir, exist_ok=True)
-        ckpt = Checkpointer(
-            os.path.join(out_dir, "checkpoints"), c.to_json(), c.keep_checkpoints
-        )
-        if resume and ckpt.latest_step() is not None:
-            state, meta = ckpt.restore(state, iterators)
-            history.rows, history.evals = meta["rows"], meta["evals"]
-            totals = meta["totals"]
-        # Only now: a refused checkpoint leaves the directory's config.json as it was.
-        with open(os.path.join(out_dir, "config.json"), "w") as f:
-            f.write(c.to_json())
-    bits_table = [int(b) for b in r.algorithm.bits_per_fragment(r.model)]
-    # Donate the state (not the host batch): the step updates it in place. The state
-    # is first copied off the model's arrays, which `init` would otherwise alias.
-    state = jax.tree.map(lambda x: jnp.array(x) if eqx.is_array(x) else x, state)
-    donated = eqx.filter_jit(
-        lambda batch, state: r.algorithm.step(state, batch), donate="all-except-first"
-    )
-
-    def step_fn(state, batch):
-        return donated(batch, state)
-
+        ckpt, state = _open_checkpoints(r, out_dir, resume, state, iterators, log)
+    step_fn = donated_step(r.algorithm)
     evaluate = _evaluator(r, c)
-    tokens_per_step = c.data.global_batch_size * r.model_config.seq_len
     start_step = int(state.step)
     last = c.steps if stop_after is None else min(stop_after, c.steps)
-    bar = tqdm(
-        total=c.steps,
-        initial=start_step,
-        disable=not progress,
-        desc=c.name,
-        dynamic_ncols=True,
-    )
-    pending: list[tuple[int, dict]] = []
-    t0 = time.perf_counter()
-    tick, tick_step = t0, start_step
-
-    def flush(step: int) -> None:
-        nonlocal tick, tick_step
-        host = jax.device_get(pending)
-        pending.clear()
-        for s, m in host:
-            sent = np.asarray(m.get("sync/sent", [True]), bool).reshape(-1)
-            bits = sum(b for b, on in zip(bits_table, sent) if on)
-            totals["bits"] += bits
-            totals["peak_bits"] = max(totals["peak_bits"], bits)
-        now = time.perf_counter()
-        tok_s = (step - tick_step) * tokens_per_step / max(now - tick, 1e-9)
-        tick, tick_step = now, step
-        s, m = host[-1]
-        row = {
-            "step": s,
-            "loss/train": float(m["loss/train"]),
-            "ce/train": float(m["aux/ce"]),
-            "tokens_per_s": tok_s,
-            "comm/bits_total": totals["bits"],
-            "nonfinite": bool(m["nonfinite"]),
-        }
-        history.rows.append(row)
-        bar.set_postfix(
-            loss=f"{row['loss/train']:.3f}",
-            tok_s=f"{tok_s:,.0f}",
-            bits=f"{totals['bits']:.3g}",
-        )
-
+    log.start(start_step)
     for step in range(start_step + 1, last + 1):
         batch = data_lib.stack_batches([next(it) for it in iterators])
         state, metrics = step_fn(state, batch)
-        pending.append((step, metrics))
+        log.record(step, metrics, flush=step % c.log_every == 0 or step == last)
         if callback is not None:
             callback(step, state, metrics)
-        if step % c.log_every == 0 or step == last:
-            flush(step)
         if step % c.eval_every == 0 or step == c.steps:
-            history.evals.append({"step": step, **evaluate(state)})
-            if progress:  # beside the bar, on stderr: stdout stays for results
-                bar.write(
-                    f"step {step}: "
-                    + ", ".join(
-                        f"{k}={v:.4f}"
-                        for k, v in history.evals[-1].items()
-                        if k != "step"
-                    ),
-                    file=sys.stderr,
-                )
-        bar.update(1)
+            log.evaluation(step, evaluate(state))
         if ckpt is not None and c.checkpoint_every and step % c.checkpoint_every == 0:
-            ckpt.save(step, state, iterators, _meta(history, totals))
-    bar.close()
+            ckpt.save(step, state, iterators, log.meta())
     jax.block_until_ready(state)
-    totals["wall_s"] += time.perf_counter() - t0
+    log.stop()
     if ckpt is not None:
         if ckpt.latest_step() != last:
-            ckpt.save(last, state, iterators, _meta(history, totals))
+            ckpt.save(last, state, iterators, log.meta())
         ckpt.close()
-    history.summary = {
-        "steps": last,
-        "tokens": last * tokens_per_step,
-        "bits_total": totals["bits"],
-        "peak_bits_per_step": totals["peak_bits"],
-        "wall_s": totals["wall_s"],
-        "num_params": r.model_config.num_params(),
-        "unigram_entropy_heldout": data_lib.unigram_entropy(r.heldout_tokens),
-    }
+    history.summary = log.summary(last)
     history.state = state
     if out_dir is not None:
         history.save(out_dir)
     return history
 
 
-def _meta(history: History, totals: dict) -> dict:
-    return {"rows": history.rows, "evals": history.evals, "totals": totals}
+def donated_step(algorithm: Algorithm) -> Callable[[Any, Any], tuple[Any, dict]]:
+    """`algorithm.step` jitted with the state donated (updated in place), not the batch.
+
+    Call it as `step(state, batch)`. The state passed in is consumed: do not use it
+    again. The first call copies the state's arrays, since `init` aliases the model's
+    own arrays (which the caller may still hold).
+    """
+    jitted = eqx.filter_jit(
+        lambda batch, state: algorithm.step(state, batch), donate="all-except-first"
+    )
+    copied = False
+
+    def step(state, batch):
+        nonlocal copied
+        if not copied:
+            state = jax.tree.map(
+                lambda x: jnp.array(x) if eqx.is_array(x) else x, state
+            )
+            copied = True
+        return jitted(batch, state)
+
+    return step
+
+
+def _open_checkpoints(r: "Run", out_dir, resume: bool, state, iterators, log: "_Log"):
+    """The run's `Checkpointer`, and the state restored from its latest checkpoint."""
+    c = r.config
+    os.makedirs(out_dir, exist_ok=True)
+    ckpt = Checkpointer(
+        os.path.join(out_dir, "checkpoints"), c.to_json(), c.keep_checkpoints
+    )
+    if resume and ckpt.latest_step() is not None:
+        state, meta = ckpt.restore(state, iterators)
+        log.history.rows, log.history.evals = meta["rows"], meta["evals"]
+        log.totals = meta["totals"]
+    # Only now: a refused checkpoint leaves the directory's config.json as it was.
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        f.write(c.to_json())
+    return ckpt, state
+
+
+class _Log:
+    """The host side of a run: metric rows, exact bit totals, evaluations, the bar."""
+
+    def __init__(self, r: "Run", history: History, progress: bool):
+        self.r, self.history, self.progress = r, history, progress
+        self.totals = {"bits": 0, "peak_bits": 0, "wall_s": 0.0}
+        self.bits_table = [int(b) for b in r.algorithm.bits_per_fragment(r.model)]
+        self.tokens_per_step = r.config.data.global_batch_size * r.model_config.seq_len
+        self.pending: list[tuple[int, dict]] = []
+
+    def start(self, step: int) -> None:
+        c = self.r.config
+        self.bar = tqdm(
+            total=c.steps,
+            initial=step,
+            disable=not self.progress,
+            desc=c.name,
+            dynamic_ncols=True,
+        )
+        self.t0 = self.tick = time.perf_counter()
+        self.tick_step = step
+
+    def record(self, step: int, metrics: dict, flush: bool) -> None:
+        """Keep the step's metrics on device; pull them to the host when `flush`."""
+        self.pending.append((step, metrics))
+        if flush:
+            self._flush(step)
+        self.bar.update(1)
+
+    def _flush(self, step: int) -> None:
+        host = jax.device_get(self.pending)
+        self.pending.clear()
+        for _, m in host:
+            sent = np.asarray(m.get("sync/sent", [True]), bool).reshape(-1)
+            bits = sum(b for b, on in zip(self.bits_table, sent) if on)
+            self.totals["bits"] += bits
+            self.totals["peak_bits"] = max(self.totals["peak_bits"], bits)
+        now = time.perf_counter()
+        tok_s = (
+            (step - self.tick_step) * self.tokens_per_step / max(now - self.tick, 1e-9)
+        )
+        self.tick, self.tick_step = now, step
+        s, m = host[-1]
+        row = {
+            "step": s,
+            "loss/train": float(m["loss/train"]),
+            "ce/train": float(m["aux/ce"]),
+            "tokens_per_s": tok_s,
+            "comm/bits_total": self.totals["bits"],
+            "nonfinite": bool(m["nonfinite"]),
+        }
+        self.history.rows.append(row)
+        self.bar.set_postfix(
+            loss=f"{row['loss/train']:.3f}",
+            tok_s=f"{tok_s:,.0f}",
+            bits=f"{self.totals['bits']:.3g}",
+        )
+
+    def evaluation(self, step: int, result: dict) -> None:
+        self.history.evals.append({"step": step, **result})
+        if self.progress:  # beside the bar, on stderr: stdout stays for results
+            text = ", ".join(f"{k}={v:.4f}" for k, v in result.items())
+            self.bar.write(f"step {step}: {text}", file=sys.stderr)
+
+    def meta(self) -> dict:
+        """What a checkpoint keeps of the host side."""
+        h = self.history
+        return {"rows": h.rows, "evals": h.evals, "totals": self.totals}
+
+    def stop(self) -> None:
+        self.bar.close()
+        self.totals["wall_s"] += time.perf_counter() - self.t0
+
+    def summary(self, last: int) -> dict:
+        r = self.r
+        return {
+            "steps": last,
+            "tokens": last * self.tokens_per_step,
+            "bits_total": self.totals["bits"],
+            "peak_bits_per_step": self.totals["peak_bits"],
+            "wall_s": self.totals["wall_s"],
+            "num_params": r.model_config.num_params(),
+            "unigram_entropy_heldout": data_lib.unigram_entropy(r.heldout_tokens),
+        }
 
 
 def _tokens(

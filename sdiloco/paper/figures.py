@@ -13,6 +13,11 @@ of its last full run). This command executes the notebooks with nbclient:
 NAME selects notebooks whose file name contains it (e.g. `fig08`, `table4`); none runs
 them all. `--jobs 2` runs two notebooks at a time. Wall times of full runs are recorded in
 `paper_figures/runtimes.json`.
+
+The notebooks and outputs are those of a repository checkout: the one holding the
+current directory, or `$SDILOCO_REPO`, or `--notebooks DIR` (see `plotting.repo_root`).
+An installed wheel holds no notebooks; the command then says where it looked and exits
+with status 2, writing nothing.
 """
 
 import argparse
@@ -24,15 +29,34 @@ import subprocess
 import sys
 import time
 
-from .plotting import REPO_ROOT
+from .plotting import repo_root
 
 
-NOTEBOOKS = REPO_ROOT / "notebooks"
+def notebooks_dir() -> pathlib.Path:
+    """`notebooks/` of the repository checkout (see `plotting.repo_root`)."""
+    return repo_root() / "notebooks"
 
 
-def notebooks(names: list[str] | None = None) -> list[pathlib.Path]:
-    """The notebooks' `.py` files, all or those whose stem contains one of `names`."""
-    found = sorted(NOTEBOOKS.glob("[a-z]*.py"))
+def notebooks(
+    names: list[str] | None = None, directory: str | os.PathLike | None = None
+) -> list[pathlib.Path]:
+    """The notebooks' `.py` files, all or those whose stem contains one of `names`.
+
+    Args:
+        names: substrings of the notebooks' names; None or empty selects all.
+        directory: where the notebooks are; default `notebooks_dir()`.
+
+    Raises:
+        ValueError: no notebook in `directory`, or a name that matches none.
+    """
+    where = pathlib.Path(directory) if directory is not None else notebooks_dir()
+    found = sorted(where.glob("[a-z]*.py"))
+    if not found:
+        raise ValueError(
+            f"no notebooks (notebooks/*.py) in {where.resolve()}: run from a checkout "
+            "of the sdiloco repository, or pass --notebooks DIR, or set "
+            "SDILOCO_REPO=<checkout>."
+        )
     if not names:
         return found
     chosen = [p for p in found if any(n in p.stem for n in names)]
@@ -91,21 +115,30 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--out",
-        help="output directory (default: paper_figures/, or runs/figures-fast/ with --fast)",
+        help="output directory (default: paper_figures/, or runs/figures-fast/ with "
+        "--fast, of the checkout)",
+    )
+    p.add_argument(
+        "--notebooks",
+        help="the notebooks' directory (default: notebooks/ of the checkout holding "
+        "the current directory, or of $SDILOCO_REPO)",
     )
     p.add_argument("--jobs", type=int, default=1, help="notebooks run at a time")
     p.add_argument("--list", action="store_true", help="list the notebooks and exit")
     args = p.parse_args(argv)
     try:
-        paths = notebooks(args.names)
+        paths = notebooks(args.names, args.notebooks)
     except ValueError as e:
-        p.error(str(e))
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.list:
         print("\n".join(x.stem for x in paths))
         return 0
     if args.jobs < 1:
         p.error(f"--jobs={args.jobs}; must be >= 1.")
-    default = REPO_ROOT / ("runs/figures-fast" if args.fast else "paper_figures")
+    # Outputs sit next to the notebooks, in their checkout.
+    root = paths[0].parent.resolve().parent
+    default = root / ("runs/figures-fast" if args.fast else "paper_figures")
     out_dir = pathlib.Path(args.out or default).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -121,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
             path.stem,
             "--out",
             str(out_dir),
+            "--notebooks",
+            str(path.parent),
         ]
         rc = subprocess.run(cmd + (["--fast"] if args.fast else [])).returncode
         return path.stem, time.perf_counter() - start, rc

@@ -11,6 +11,9 @@ The JSON records the configuration, seeds, package versions, git commit, whether
 notebook ran in FAST mode and how long it took. `FAST` (environment variable
 `SDILOCO_FAST=1`) selects the notebooks' small mode; `SDILOCO_FIGURES_DIR` redirects the
 output (the tests write to a temporary directory).
+
+Notebooks, artifacts and the run cache belong to a repository checkout, never to the
+installed package: `repo_root()` finds it from `$SDILOCO_REPO` or the current directory.
 """
 
 import csv
@@ -32,7 +35,37 @@ import matplotlib.pyplot as plt
 FAST: bool = os.environ.get("SDILOCO_FAST", "0") not in ("", "0", "false", "False")
 """Whether notebooks run their small, same-code-path mode (`SDILOCO_FAST=1`)."""
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
+REPO_MARKERS = ("notebooks", "pyproject.toml")
+"""What a directory holds to count as a checkout of this repository."""
+
+_SOURCE_ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def find_checkout() -> pathlib.Path | None:
+    """The repository checkout to work in, or None outside one.
+
+    `$SDILOCO_REPO` if set; else the nearest directory holding `notebooks/` and
+    `pyproject.toml`, from the current directory upwards; else the checkout this
+    module was imported from (an editable install). An installed wheel is no
+    checkout, so nothing is ever read from or written into site-packages.
+    """
+    env = os.environ.get("SDILOCO_REPO")
+    if env:
+        return pathlib.Path(env).resolve()
+    cwd = pathlib.Path.cwd().resolve()
+    for d in (cwd, *cwd.parents, _SOURCE_ROOT):
+        if all((d / m).exists() for m in REPO_MARKERS):
+            return d
+    return None
+
+
+def repo_root() -> pathlib.Path:
+    """`find_checkout()`, or the current directory outside a checkout."""
+    return find_checkout() or pathlib.Path.cwd().resolve()
+
+
+REPO_ROOT = repo_root()
+"""The checkout (or current directory) when this module was imported."""
 
 METHOD_COLORS: dict[str, str] = {
     "data_parallel": "tab:blue",
@@ -50,7 +83,7 @@ _PACKAGES = ("sdiloco", "jax", "jaxlib", "equinox", "optax", "numpy", "matplotli
 def output_dir() -> pathlib.Path:
     """Where artifacts go: `$SDILOCO_FIGURES_DIR`, else `paper_figures/` of the repo."""
     env = os.environ.get("SDILOCO_FIGURES_DIR")
-    path = pathlib.Path(env) if env else REPO_ROOT / "paper_figures"
+    path = pathlib.Path(env) if env else repo_root() / "paper_figures"
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -77,14 +110,14 @@ def git_commit() -> str:
     try:
         head = subprocess.run(
             ["git", "rev-parse", "HEAD"],
-            cwd=REPO_ROOT,
+            cwd=repo_root(),
             capture_output=True,
             text=True,
             check=True,
         ).stdout.strip()
         dirty = subprocess.run(
             ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=REPO_ROOT,
+            cwd=repo_root(),
             capture_output=True,
             text=True,
             check=True,

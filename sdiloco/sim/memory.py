@@ -4,7 +4,7 @@ Data-Parallel keeps the parameters (1×) and the Adam state (2×). DiLoCo adds t
 (global) parameters (1×) and the outer Nesterov momentum (1×), 5/3 of Data-Parallel.
 Streaming DiLoCo needs the outer state of one fragment at a time. With the rest
 offloaded to host memory, HBM holds 2 × |fragment| more than Data-Parallel: about 2 %
-for a 100B model with 108 layers and 3 layers per fragment (PAPER.md §1.10).
+for a 100B model with 108 layers and 3 layers per fragment (docs/paper.md §1.10).
 
 Examples:
     >>> from sdiloco.sim.memory import GIB, memory_footprint, overhead_vs_data_parallel
@@ -19,12 +19,14 @@ Examples:
 import dataclasses
 import math
 
+from .checks import check, positive
+
 
 METHODS = ("data_parallel", "diloco", "streaming")
 """The methods `memory_footprint` knows."""
 
 GIB = 2**30
-"""Bytes per GiB. The paper's "1,117 GB" and "20 GB" are GiB (PAPER.md §1.10)."""
+"""Bytes per GiB. The paper's "1,117 GB" and "20 GB" are GiB (docs/paper.md §1.10)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,10 +89,10 @@ def memory_footprint(
     Returns:
         The footprint.
     """
-    _check(_pos(num_params), "num_params", num_params, "a finite float > 0")
-    _check(method in METHODS, "method", method, f"one of {METHODS}")
-    _check(_pos(bytes_per_value), "bytes_per_value", bytes_per_value, "a float > 0")
-    _check(
+    check(positive(num_params), "num_params", num_params, "a finite float > 0")
+    check(method in METHODS, "method", method, f"one of {METHODS}")
+    check(positive(bytes_per_value), "bytes_per_value", bytes_per_value, "a float > 0")
+    check(
         layers_per_fragment >= 1,
         "layers_per_fragment",
         layers_per_fragment,
@@ -130,14 +132,14 @@ def overhead_vs_data_parallel(num_params: float, method: str, **kwargs) -> float
 
 def _fragment_params(num_params, num_layers, layers_per_fragment, fragment_params):
     if fragment_params is not None:
-        _check(
-            _pos(fragment_params) and fragment_params <= num_params,
+        check(
+            positive(fragment_params) and fragment_params <= num_params,
             "fragment_params",
             fragment_params,
             f"a float in (0, num_params={num_params}]",
         )
         return float(fragment_params)
-    _check(
+    check(
         num_layers is not None and num_layers >= 1,
         "num_layers",
         num_layers,
@@ -146,12 +148,3 @@ def _fragment_params(num_params, num_layers, layers_per_fragment, fragment_param
     num_fragments = math.ceil(num_layers / layers_per_fragment)
     largest = -(-num_layers // num_fragments)  # ⌈L / P⌉ layers
     return num_params * largest / num_layers
-
-
-def _check(ok, field, value, allowed):
-    if not ok:
-        raise ValueError(f"{field}={value!r}; expected {allowed}")
-
-
-def _pos(x):
-    return isinstance(x, int | float) and math.isfinite(x) and x > 0

@@ -1,7 +1,7 @@
 """Compute-utilization simulator behind Table 4 and Figs. 3, 4, 7, 9, 15 and 16.
 
 Pure NumPy, independent of the training code (Streaming DiLoCo §3.1 and appendix;
-PAPER.md §5). One replica is simulated, since all replicas are identical. Each step runs
+docs/paper.md §5). One replica is simulated, since all replicas are identical. Each step runs
 the forward of layers 1..L and then the backward of layers L..1. On a step where a
 layer's fragment is due, the layer's (outer) gradient reduction is released when its
 backward ends. Reductions cross one cross-worker link in FIFO order. The forward of
@@ -13,10 +13,14 @@ Units: bandwidth in Gbit/s (1e9 bit/s) and times in seconds. Latency, also in
 seconds, is added to the arrival of every per-layer reduction message. It delays the
 message but does not hold the link.
 
+The simulator takes a `Workload` (`sim.workloads`) and a `Method` (`sim.methods`);
+this module re-exports both modules' public names, so `import sdiloco.sim.utilization
+as ut` gives the whole simulator.
+
 Examples:
     >>> import sdiloco.sim.utilization as ut
     >>> w = ut.paper_workload("1B")
-    >>> round(ut.required_bandwidth(w, ut.data_parallel(), 0.5), 2)
+    >>> round(ut.required_bandwidth(w, ut.data_parallel_method(), 0.5), 2)
     86.85
 """
 
@@ -27,32 +31,33 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .checks import check, positive
+from .methods import (
+    BF16_BITS_PER_PARAM as BF16_BITS_PER_PARAM,
+    FP4_FACTOR as FP4_FACTOR,
+    TABLE4_BITS_PER_PARAM as TABLE4_BITS_PER_PARAM,
+    Method as Method,
+    data_parallel_method as data_parallel_method,
+    diloco_method as diloco_method,
+    eager_method as eager_method,
+    streaming_method as streaming_method,
+    table4_methods as table4_methods,
+)
+from .workloads import (
+    Workload as Workload,
+    paper_workload as paper_workload,
+    step_time_from_flops as step_time_from_flops,
+)
+
 
 GBIT = 1e9
 """Bits per Gbit: bandwidths are in Gbit/s = 1e9 bit/s, as in Table 4."""
 
 BANDWIDTH_GRID = np.logspace(-1, 3, 50)
-"""Table 4's Gbit/s grid (PAPER.md §5.2 item 7): 0.1 to 1000, ×1.207 per point."""
+"""Table 4's Gbit/s grid (docs/paper.md §5.2 item 7): 0.1 to 1000, ×1.207 per point."""
 
 TABLE4_TARGETS = (0.5, 0.8, 0.9, 0.95, 0.99)
 """The compute utilizations of Table 4's columns."""
-
-TABLE4_BITS_PER_PARAM = 13.4
-"""Bits on the wire per nominal parameter for a full sync, fitted on Table 4's 1B rows.
-
-`benchmarks/table4_timing.py --fit` scans this constant. For every value in
-[13.32, 13.56], all 20 cells of the four non-FP4 1B rows land on the paper's grid
-point and the FP4 row is within one grid step; all 25 cells stay within one grid step
-over [12.99, 14.23]. 13.4 ≈ 16 bits × 0.84, as PAPER.md §5.2 item 8 expects. The
-constant is kept for every model size.
-"""
-
-
-BF16_BITS_PER_PARAM = 16.0
-"""bf16 outer gradients of a nominal-size model; reproduces Table 1 (PAPER.md §6.2)."""
-
-FP4_FACTOR = 4.0
-"""FP4 (E3M0) variants send 4 bits where the others send 16."""
 
 WINDOW_ENDS = ("link_idle", "steady")
 """How the simulated window ends; see `simulate`."""
@@ -61,129 +66,6 @@ TRACE_DTYPE = np.dtype(
     [("kind", "U8"), ("layer", "i4"), ("step", "i4"), ("start", "f8"), ("end", "f8")]
 )
 """dtype of `SimResult.trace`; kind is "forward", "backward" or "reduce"."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Workload:
-    """A model on its hardware: what one step of one replica costs (PAPER.md §5.1).
-
-    Example:
-        >>> Workload(num_layers=24, step_time=0.1, num_params=1e9).num_layers
-        24
-    """
-
-    num_layers: int
-    """L, transformer blocks; the DAG has one node of each kind per layer."""
-    step_time: float
-    """Seconds per step at infinite bandwidth: pure compute plus any pipeline bubble."""
-    num_params: float
-    """Parameters synchronized across replicas (for an MoE, all experts count)."""
-    name: str = ""
-    """Label for tables, e.g. "1B"."""
-    pipeline_stages: int = 1
-    """Pipeline-parallel stages inside one replica; 1 is the paper's simulator."""
-    microbatches: int = 1
-    """GPipe microbatches per step; 1 is the paper's simulator."""
-
-    def __post_init__(self):
-        """Validate the fields."""
-        _check(self.num_layers >= 1, "num_layers", self.num_layers, "an int >= 1")
-        _check(_pos(self.step_time), "step_time", self.step_time, "a finite float > 0")
-        _check(
-            _pos(self.num_params), "num_params", self.num_params, "a finite float > 0"
-        )
-        _check(
-            1 <= self.pipeline_stages <= self.num_layers,
-            "pipeline_stages",
-            self.pipeline_stages,
-            f"an int in [1, num_layers={self.num_layers}]",
-        )
-        _check(self.microbatches >= 1, "microbatches", self.microbatches, "an int >= 1")
-
-
-@dataclasses.dataclass(frozen=True)
-class Method:
-    """When the (outer) gradients cross the link and how big they are (§1.3, §1.4).
-
-    Data-Parallel is `inner_steps=1`. Vanilla DiLoCo has no fragments. Streaming DiLoCo
-    sets `layers_per_fragment`. Overlap sets τ = `overlap_steps`, FP4 divides
-    `bits_per_param` by 4, and the eager variant sets τ = H (PAPER.md §1.13.2).
-
-    Example:
-        >>> Method(name="DiLoCo", inner_steps=100).num_fragments(24)
-        1
-    """
-
-    name: str = ""
-    """Label for tables."""
-    inner_steps: int = 1
-    """H: each fragment (or the whole model) is synced once every H steps."""
-    layers_per_fragment: int | None = None
-    """Layers per fragment; None means the whole model is one fragment (DP, DiLoCo)."""
-    pattern: str = "strided"
-    """ "strided" (layer ℓ is in fragment ℓ mod P; paper default) or "sequential"."""
-    overlap_steps: int = 0
-    """τ: the sync sent at step t is needed by the forward of step t + 1 + τ (τ ≤ H)."""
-    bits_per_param: float = BF16_BITS_PER_PARAM
-    """Bits on the wire per parameter for a full sync (ring all-reduce factor included;
-    2(1 − 1/M) = 1 for M = 2 replicas)."""
-
-    def __post_init__(self):
-        """Validate the fields."""
-        _check(self.inner_steps >= 1, "inner_steps", self.inner_steps, "an int >= 1")
-        lpf = self.layers_per_fragment
-        _check(lpf is None or lpf >= 1, "layers_per_fragment", lpf, "None or >= 1")
-        _check(
-            self.pattern in ("strided", "sequential"),
-            "pattern",
-            self.pattern,
-            '"strided" or "sequential"',
-        )
-        _check(
-            0 <= self.overlap_steps <= self.inner_steps,
-            "overlap_steps",
-            self.overlap_steps,
-            f"an int in [0, inner_steps={self.inner_steps}]",
-        )
-        _check(
-            _pos(self.bits_per_param),
-            "bits_per_param",
-            self.bits_per_param,
-            "a finite float > 0",
-        )
-
-    def num_fragments(self, num_layers: int) -> int:
-        """P = ⌈L / layers per fragment⌉, or 1 without fragments (PAPER.md §1.4)."""
-        if self.layers_per_fragment is None:
-            return 1
-        return math.ceil(num_layers / self.layers_per_fragment)
-
-    def fragment_of_layer(self, num_layers: int) -> np.ndarray:
-        """Fragment of each layer, 0-based, strided or sequential (§2.2, Fig. 2).
-
-        Example:
-            >>> Method(inner_steps=9, layers_per_fragment=3).fragment_of_layer(6)
-            array([0, 1, 0, 1, 0, 1])
-        """
-        num_fragments = self.num_fragments(num_layers)
-        layers = np.arange(num_layers)
-        if num_fragments == 1:
-            return np.zeros(num_layers, dtype=np.int64)
-        if self.pattern == "strided":
-            return layers % num_fragments
-        return layers // self.layers_per_fragment
-
-    def sync_offsets(self, num_fragments: int) -> np.ndarray:
-        """t_p = round(p·H/P): fragment p syncs at the steps t with (t+1−t_p) % H == 0.
-
-        Implements PAPER.md §5.2 item 5 (offsets spread evenly, §1.4).
-        """
-        p = np.arange(num_fragments)
-        return np.floor(p * self.inner_steps / num_fragments + 0.5).astype(np.int64)
-
-    def default_num_steps(self) -> int:
-        """Simulated window: 3·H steps, at least 60 (PAPER.md §5.2 item 6)."""
-        return max(3 * self.inner_steps, 60)
 
 
 class SimResult(NamedTuple):
@@ -213,169 +95,16 @@ class BandwidthRow(NamedTuple):
     """Gbit/s that reaches each target CU (`inf` if the grid never does)."""
 
 
-# ------------------------------------------------------------------------------------
-# Presets.
-
-
-def paper_workload(name: str) -> Workload:
-    """A model scale simulated in the paper (Table 4, Fig. 16; PAPER.md §5.1).
-
-    The step times are the paper's: 0.1, 0.8, 4.9, 26.9 and 20.1 s. The paper does
-    not state the layer counts of Llama-3-405B (126) or DeepSeek-V3 (61); they are
-    inferred.
-
-    Args:
-        name: "1B", "10B", "100B", "llama405b" or "deepseek_v3".
-
-    Returns:
-        The workload, with the nominal parameter count (1e9, ...).
-    """
-    presets = {
-        "1B": (24, 0.1, 1e9),
-        "10B": (48, 0.8, 10e9),
-        "100B": (108, 4.9, 100e9),
-        "llama405b": (126, 26.9, 405e9),
-        "deepseek_v3": (61, 20.1, 671e9),
-    }
-    _check(name in presets, "name", name, f"one of {sorted(presets)}")
-    layers, step_time, params = presets[name]
-    return Workload(
-        num_layers=layers, step_time=step_time, num_params=params, name=name
-    )
-
-
-def data_parallel(bits_per_param: float = TABLE4_BITS_PER_PARAM) -> Method:
-    """Data-Parallel: every gradient is reduced at every step (Table 4, row 1)."""
-    return Method(name="Data-Parallel", inner_steps=1, bits_per_param=bits_per_param)
-
-
-def diloco(
-    inner_steps: int = 100, bits_per_param: float = TABLE4_BITS_PER_PARAM
-) -> Method:
-    """Vanilla DiLoCo: the whole model every H steps, blocking (Table 4, row 2)."""
-    return Method(
-        name="Vanilla DiLoCo", inner_steps=inner_steps, bits_per_param=bits_per_param
-    )
-
-
-def streaming(
-    inner_steps: int = 100,
-    *,
-    layers_per_fragment: int = 3,
-    pattern: str = "strided",
-    overlap_steps: int = 0,
-    fp4: bool = False,
-    bits_per_param: float = TABLE4_BITS_PER_PARAM,
-) -> Method:
-    """Streaming DiLoCo, optionally overlapped and FP4 (Table 4, rows 3-5).
-
-    Args:
-        inner_steps: H.
-        layers_per_fragment: 3 in the paper.
-        pattern: "strided" (the paper's default) or "sequential" (Fig. 7).
-        overlap_steps: τ; 1 in the paper's overlapped rows.
-        fp4: send 4-bit E3M0 outer gradients (bits divided by `FP4_FACTOR`).
-        bits_per_param: bits per parameter before FP4.
-
-    Returns:
-        The method.
-    """
-    name = "Streaming DiLoCo"
-    if overlap_steps or fp4:
-        name += " w/ overlapped" if overlap_steps else " w/"
-        name += " FP4 com." if fp4 else " com."
-    return Method(
-        name=name,
-        inner_steps=inner_steps,
-        layers_per_fragment=layers_per_fragment,
-        pattern=pattern,
-        overlap_steps=overlap_steps,
-        bits_per_param=bits_per_param / FP4_FACTOR if fp4 else bits_per_param,
-    )
-
-
-def eager(
-    inner_steps: int = 100,
-    *,
-    layers_per_fragment: int | None = 3,
-    fp4: bool = True,
-    bits_per_param: float = TABLE4_BITS_PER_PARAM,
-) -> Method:
-    """Eager updates: one whole outer step of overlap, τ = H (PAPER.md §1.13.2).
-
-    The outer gradient sent at a sync is applied at the fragment's next sync. The
-    link therefore has H steps of compute to carry it ("1-outer-step eager", Eager
-    Table 2).
-    """
-    name = "Eager Streaming DiLoCo" if layers_per_fragment else "Eager DiLoCo"
-    return Method(
-        name=name + (" FP4" if fp4 else ""),
-        inner_steps=inner_steps,
-        layers_per_fragment=layers_per_fragment,
-        overlap_steps=inner_steps,
-        bits_per_param=bits_per_param / FP4_FACTOR if fp4 else bits_per_param,
-    )
-
-
-def table4_methods(bits_per_param: float = TABLE4_BITS_PER_PARAM) -> list[Method]:
-    """The five methods of Table 4, in order: H = 100, 3 layers/fragment, τ = 1."""
-    return [
-        data_parallel(bits_per_param),
-        diloco(100, bits_per_param),
-        streaming(100, bits_per_param=bits_per_param),
-        streaming(100, overlap_steps=1, bits_per_param=bits_per_param),
-        streaming(100, overlap_steps=1, fp4=True, bits_per_param=bits_per_param),
-    ]
-
-
-def step_time_from_flops(
-    num_params: float,
-    tokens_per_step: float,
-    chip_flops: float,
-    num_chips: int,
-    mfu: float,
-) -> float:
-    """Pure-compute step time from the 6·N rule (Kaplan et al.; Table 4 caption).
-
-    Args:
-        num_params: N (activated parameters for a mixture-of-experts).
-        tokens_per_step: global batch in tokens, all replicas together.
-        chip_flops: peak FLOP/s of one chip.
-        num_chips: chips of all replicas together.
-        mfu: model FLOPs utilization in (0, 1] (60 % in the Table 4 caption).
-
-    Returns:
-        6 · N · tokens / (chips · FLOP/s · MFU), in seconds.
-
-    Example:
-        >>> round(step_time_from_flops(1e9, 2.0**20, 1e15, 100, 0.6), 4)
-        0.1049
-    """
-    for field, value in [
-        ("num_params", num_params),
-        ("tokens_per_step", tokens_per_step),
-        ("chip_flops", chip_flops),
-        ("num_chips", num_chips),
-    ]:
-        _check(_pos(value), field, value, "a finite number > 0")
-    _check(0 < mfu <= 1, "mfu", mfu, "a float in (0, 1]")
-    return 6.0 * num_params * tokens_per_step / (chip_flops * num_chips * mfu)
-
-
-# ------------------------------------------------------------------------------------
-# Simulation.
-
-
 # This differs from the paper in:
 # 1. Backward w.r.t. activations and w.r.t. parameters are one node per layer taking
 #    2/3 of the layer's time. The paper draws two nodes, but the lumped DAG of
-#    PAPER.md §5.2 already reproduces Table 4.
-# 2. Only transformer blocks are simulated. The embedding fragment (PAPER.md §1.4) is
+#    docs/paper.md §5.2 already reproduces Table 4.
+# 2. Only transformer blocks are simulated. The embedding fragment (docs/paper.md §1.4) is
 #    left out.
 # 3. The link is one FIFO queue shared by all reductions. The bits of a full sync are
 #    split evenly over the layers, and each layer's message arrives `latency` seconds
 #    after the link has sent it.
-# 4. With pipeline parallelism (an extension the reviewers asked for, PAPER.md §9), a
+# 4. With pipeline parallelism (an extension the reviewers asked for, docs/paper.md §9), a
 #    stall at any layer's forward delays the rest of the step. All stages share the
 #    one link.
 def simulate(
@@ -405,7 +134,7 @@ def simulate(
     Returns:
         CU, wall time and the event trace.
     """
-    _check(_pos(bandwidth) or bandwidth == math.inf, "bandwidth", bandwidth, "> 0")
+    check(positive(bandwidth) or bandwidth == math.inf, "bandwidth", bandwidth, "> 0")
     num_steps = _num_steps(method, num_steps)
     wall, events = _run(
         workload,
@@ -438,12 +167,13 @@ def utilization_curve(
     """CU at each bandwidth in Gbit/s, all simulated at once (Figs. 4, 7, 15, 16).
 
     Example:
-        >>> cu = utilization_curve(paper_workload("1B"), data_parallel(), [10.0, 1e3])
+        >>> w = paper_workload("1B")
+        >>> cu = utilization_curve(w, data_parallel_method(), [10.0, 1e3])
         >>> cu.round(3)
         array([0.073, 0.994])
     """
     bandwidths = np.asarray(bandwidths, dtype=np.float64)
-    _check(
+    check(
         bandwidths.ndim == 1 and bool(np.all(bandwidths > 0)),
         "bandwidths",
         bandwidths,
@@ -508,14 +238,14 @@ def required_bandwidth(
         several targets are given.
     """
     targets = np.atleast_1d(np.asarray(target_cu, dtype=np.float64))
-    _check(
+    check(
         targets.ndim == 1 and bool(np.all((targets > 0) & (targets <= 1))),
         "target_cu",
         target_cu,
         "floats in (0, 1]",
     )
     grid = np.asarray(grid, dtype=np.float64)
-    _check(
+    check(
         grid.ndim == 1 and grid.size > 0 and bool(np.all(np.diff(grid) > 0)),
         "grid",
         grid,
@@ -584,12 +314,12 @@ def wall_clock_hours(
     hours = num_steps · step_time / CU / 3600.
 
     Example:
-        >>> w, dp = paper_workload("1B"), data_parallel(BF16_BITS_PER_PARAM)
+        >>> w, dp = paper_workload("1B"), data_parallel_method(BF16_BITS_PER_PARAM)
         >>> round(wall_clock_hours(w, dp, 1.0, 24_300), 1)
         108.2
     """
-    _check(num_steps >= 1, "num_steps", num_steps, "an int >= 1")
-    _check(_pos(bandwidth) or bandwidth == math.inf, "bandwidth", bandwidth, "> 0")
+    check(num_steps >= 1, "num_steps", num_steps, "an int >= 1")
+    check(positive(bandwidth) or bandwidth == math.inf, "bandwidth", bandwidth, "> 0")
     cu = utilization_curve(
         workload, method, [bandwidth], latency=latency, window_end="steady"
     )
@@ -600,19 +330,10 @@ def wall_clock_hours(
 # Private helpers.
 
 
-def _check(ok: bool, field: str, value: object, allowed: str) -> None:
-    if not ok:
-        raise ValueError(f"{field}={value!r}; expected {allowed}")
-
-
-def _pos(x: object) -> bool:
-    return isinstance(x, int | float) and math.isfinite(x) and x > 0
-
-
 def _num_steps(method: Method, num_steps: int | None) -> int:
     if num_steps is None:
         return method.default_num_steps()
-    _check(num_steps >= 1, "num_steps", num_steps, "None or an int >= 1")
+    check(num_steps >= 1, "num_steps", num_steps, "None or an int >= 1")
     return num_steps
 
 
@@ -653,8 +374,8 @@ def _run(workload, method, bandwidths, latency, num_steps, window_end, record):
     max(finish of the (k−1)-th, its release) + bits / bandwidth, and the reduction
     arrives `latency` seconds later.
     """
-    _check(math.isfinite(latency) and latency >= 0, "latency", latency, "a float >= 0")
-    _check(window_end in WINDOW_ENDS, "window_end", window_end, f"one of {WINDOW_ENDS}")
+    check(math.isfinite(latency) and latency >= 0, "latency", latency, "a float >= 0")
+    check(window_end in WINDOW_ENDS, "window_end", window_end, f"one of {WINDOW_ENDS}")
     L, T = workload.num_layers, workload.step_time
     H, tau = method.inner_steps, method.overlap_steps
     fwd_start, fwd_end, bwd_start, release = _layer_times(workload)

@@ -1,0 +1,161 @@
+"""Low-precision formats: their value tables and rounding onto them.
+
+A scaled format (at most 8 bits) is a finite, sorted set of magnitudes; a code is the
+signed index into `signed_table`. `bf16` and `fp32` are plain casts. This module
+implements choices 2 (rounding) and 3 (the E3M0 value set) of those listed in
+`sdiloco.compression.quantizers`, which adds the per-group scaling. Everything here is
+static NumPy except the rounding functions, which trace.
+
+`Quantizer` looks these functions up on this module at trace time (`formats.name`), so
+a benchmark can swap one in for the duration of a trace.
+"""
+
+import functools as ft
+
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+from jaxtyping import Array, PRNGKeyArray
+
+
+FORMATS: tuple[str, ...] = (
+    "e3m0",
+    "e2m1",
+    "e1m2",
+    "int4",
+    "e4m3",
+    "e5m2",
+    "bf16",
+    "fp32",
+)
+"""Supported formats. All but `bf16` and `fp32` are scaled (amax metadata per group)."""
+
+ROUNDINGS: tuple[str, ...] = ("nearest", "stochastic")
+"""Rounding modes onto the format's value set."""
+
+BITS_PER_ELEMENT = {
+    "e3m0": 4,
+    "e2m1": 4,
+    "e1m2": 4,
+    "int4": 4,
+    "e4m3": 8,
+    "e5m2": 8,
+    "bf16": 16,
+    "fp32": 32,
+}
+"""Payload bits per element of each format."""
+
+CAST_FORMATS = {"bf16": 7, "fp32": 23}
+"""The plain casts (no scaling, no metadata): format -> mantissa bits."""
+
+
+@ft.cache
+def magnitudes(format: str) -> np.ndarray:
+    """Sorted non-negative values of a scaled format, as float64 (read-only)."""
+    if format == "int4":
+        mags = np.arange(8, dtype=np.float64)
+    elif format in ("e3m0", "e2m1", "e1m2"):
+        exp_bits, man_bits = int(format[1]), int(format[3])
+        bias = {"e3m0": 3, "e2m1": 1, "e1m2": 1}[format]
+        mags = np.array(
+            [
+                _exmy(e, m, man_bits, bias)
+                for e in range(2**exp_bits)
+                for m in range(2**man_bits)
+            ]
+        )
+        mags = np.unique(mags)
+    else:
+        dtype = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}[format]
+        mags = finite_values(dtype, np.uint8)
+        mags = mags[mags >= 0]
+    mags.flags.writeable = False
+    return mags
+
+
+@ft.cache
+def finite_values(dtype: type, uint: type) -> np.ndarray:
+    """All finite values of a small float dtype, sorted and unique (±0 merged)."""
+    n = 2 ** (8 * np.dtype(uint).itemsize)
+    with np.errstate(invalid="ignore"):  # NaN bit patterns
+        values = np.arange(n, dtype=uint).view(dtype).astype(np.float64)
+    values = np.unique(values[np.isfinite(values)])
+    values.flags.writeable = False
+    return values
+
+
+@ft.cache
+def signed_table(format: str) -> np.ndarray:
+    """Sorted signed values; magnitude index i with sign s has code n - 1 + s * i."""
+    mags = magnitudes(format)
+    table = np.concatenate([-mags[:0:-1], mags])
+    table.flags.writeable = False
+    return table
+
+
+def round_nearest(a: Array, mags: np.ndarray) -> Array:
+    """Index of the nearest magnitude; exact ties go to the even index.
+
+    Every midpoint of these tables is exactly representable in float32, so comparing `a`
+    against the midpoints is exact, and no subtraction rounds.
+    """
+    mids = jnp.asarray((mags[1:] + mags[:-1]) / 2, a.dtype)
+    below = jnp.searchsorted(mids, a, side="left", method=_search_method(mids))
+    below = below.astype(jnp.int32)  # number of midpoints < a
+    at = jnp.take(mids, jnp.minimum(below, len(mids) - 1))
+    tie = (below < len(mids)) & (at == a)
+    return jnp.where(tie & (below % 2 == 1), below + 1, below)
+
+
+def round_stochastic(a: Array, mags: np.ndarray, u: Array) -> Array:
+    """Lower or upper neighbour, with P(upper) = (a - lo) / (hi - lo): E[value] = a."""
+    table = jnp.asarray(mags, a.dtype)
+    lo = jnp.searchsorted(table, a, side="right", method=_search_method(table))
+    lo = lo.astype(jnp.int32) - 1
+    lo = jnp.clip(lo, 0, len(mags) - 2)
+    lo_v, hi_v = jnp.take(table, lo), jnp.take(table, lo + 1)
+    p_up = (a - lo_v) / (hi_v - lo_v)
+    return lo + (u < p_up).astype(jnp.int32)
+
+
+def cast(x: Array, format: str, key: PRNGKeyArray | None) -> Array:
+    """bf16 / fp32 cast: nearest-even, or stochastic when a key is given."""
+    target = jnp.bfloat16 if format == "bf16" else jnp.float32
+    if key is None:
+        return x.astype(target)
+    return _stochastic_truncate(x, key, CAST_FORMATS[format]).astype(target)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _exmy(e: int, m: int, man_bits: int, bias: int) -> float:
+    """Value of exponent code e and mantissa code m in eXmY (code 0 is subnormal)."""
+    if e == 0:
+        return (m / 2**man_bits) * 2.0 ** (1 - bias)
+    return (1 + m / 2**man_bits) * 2.0 ** (e - bias)
+
+
+def _search_method(table: Array) -> str:
+    """`compare_all` is 3-4x faster than the default gather loop on XLA:CPU for the
+    4-bit tables (<= 8 entries) but ~10x slower for FP8's ~127 (benchmarks/README.md)."""
+    return "compare_all" if table.shape[0] <= 16 else "scan"
+
+
+def _stochastic_truncate(x: Array, key: PRNGKeyArray, mantissa_bits: int) -> Array:
+    """Stochastic rounding to `mantissa_bits`: add random low bits, then truncate.
+
+    Adding a uniform random integer below 2^d to the bit pattern and clearing the low d
+    bits rounds the magnitude up with probability (dropped part) / 2^d. The result is
+    unbiased, including for subnormals, and inf / NaN stay non-finite.
+    """
+    info = jnp.finfo(x.dtype)
+    drop = int(info.nmant) - mantissa_bits
+    if drop <= 0:
+        return x
+    uint = {32: jnp.uint32, 64: jnp.uint64}[info.bits]
+    pattern = jax.lax.bitcast_convert_type(x, uint)
+    noise = jr.bits(key, x.shape, uint) >> np.array(info.bits - drop, uint)
+    mask = np.array((2**info.bits - 1) ^ (2**drop - 1), uint)
+    return jax.lax.bitcast_convert_type((pattern + noise) & mask, x.dtype)

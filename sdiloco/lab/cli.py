@@ -1,0 +1,132 @@
+"""Command line: `python -m sdiloco train --preset NAME [--steps N] [--out DIR] ...`.
+
+The flags change a named preset of `sdiloco.lab.config`; the config is built, and so
+checked, before anything is trained or written. A bad flag or value prints one line,
+`error: <message>`, on stderr and exits with status 2.
+"""
+
+import argparse
+import json
+import sys
+from typing import NoReturn
+
+from . import config as config_lib
+
+
+USAGE_ERROR = 2
+"""Exit status of a bad command line (argparse's convention)."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `python -m sdiloco` (and the `sdiloco` console script)."""
+    try:
+        args = _parser().parse_args(argv)
+        if args.command == "train":
+            return _train(args)
+    except _UsageError as e:
+        return _fail(f"{e} (see --help)")
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    try:
+        cfg = config_lib.preset(args.preset, **_changes(args))
+    except ValueError as e:
+        return _fail(str(e))
+    # Only now, the checks passed: importing the training loop is slow.
+    from .checkpoint import CheckpointError
+    from .train import run
+
+    try:
+        history = run(
+            cfg, args.out, resume=not args.no_resume, progress=not args.no_progress
+        )
+    except CheckpointError as e:  # a checkpoint of another run in --out
+        return _fail(str(e))
+    print(
+        json.dumps({"evals": history.evals[-1:], "summary": history.summary}, indent=1)
+    )
+    return 0
+
+
+def _changes(args: argparse.Namespace) -> dict:
+    """The preset changes the flags ask for (flags not given change nothing)."""
+    method = _given(
+        num_replicas=args.replicas,
+        sync_every=args.sync_every,
+        overlap=args.overlap,
+        alpha=args.alpha,
+        quantizer=args.quantizer,
+    )
+    if method.get("quantizer") == "none":
+        method["quantizer"] = None
+    changes = _given(
+        model=args.model,
+        steps=args.steps,
+        seed=args.seed,
+        checkpoint_every=args.checkpoint_every,
+    )
+    data = _given(global_batch_size=args.batch_size, token_file=args.tokens)
+    if method:
+        changes["method"] = method
+    if data:
+        changes["data"] = data
+    if args.lr is not None:
+        changes["inner"] = {"lr": args.lr}
+    return changes
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="python -m sdiloco", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    t = sub.add_parser(
+        "train", help="train a preset on the embedded corpus (or --tokens)"
+    )
+    t.add_argument(
+        "--preset",
+        default="streaming_overlap_fp4",
+        help=f"the paper's method, one of {sorted(config_lib.PRESETS)} (default: "
+        "Streaming DiLoCo with overlapped FP4 communication)",
+    )
+    t.add_argument("--model", help="model preset, e.g. tiny-s, tiny-m, tiny-deep")
+    t.add_argument("--steps", type=int, help="total inner steps")
+    t.add_argument("--replicas", type=int, help="M")
+    t.add_argument("--sync-every", type=int, help="H")
+    t.add_argument("--overlap", type=int, help="tau")
+    t.add_argument("--alpha", type=float, help="mixing factor")
+    t.add_argument(
+        "--quantizer",
+        help="outer-gradient format (e3m0, e2m1, e4m3, bf16, fp32, ...) or none",
+    )
+    t.add_argument("--batch-size", type=int, help="global batch size (sequences)")
+    t.add_argument("--lr", type=float, help="peak inner learning rate")
+    t.add_argument("--seed", type=int, help="model/data seed")
+    t.add_argument("--tokens", help="a token file (.npy or raw) instead of the corpus")
+    t.add_argument("--checkpoint-every", type=int, help="steps between checkpoints")
+    t.add_argument("--out", help="output directory (history, checkpoints)")
+    t.add_argument(
+        "--no-resume", action="store_true", help="ignore checkpoints in --out"
+    )
+    t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+class _UsageError(Exception):
+    """A command line argparse rejects (unknown flag, a value of the wrong type)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """An `ArgumentParser` whose errors are one line (`main` prints it), not usage."""
+
+    def error(self, message: str) -> NoReturn:
+        raise _UsageError(message)
+
+
+def _fail(message: str) -> int:
+    print(f"error: {' '.join(message.split())}", file=sys.stderr)
+    return USAGE_ERROR
+
+
+def _given(**options):
+    """The options the user gave (not None)."""
+    return {k: v for k, v in options.items() if v is not None}

@@ -1,0 +1,85 @@
+"""`python -m sdiloco.paper` works on a checkout and never on the installed package."""
+
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+
+pytest.importorskip("matplotlib")
+
+from sdiloco.paper import figures, plotting  # noqa: E402
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _files(directory: pathlib.Path) -> set[pathlib.Path]:
+    return {p for p in directory.rglob("*")}
+
+
+def test_no_notebooks_outside_a_checkout(tmp_path, monkeypatch, capsys):
+    # An installed package (no notebooks beside it), run from outside a checkout.
+    monkeypatch.delenv("SDILOCO_REPO", raising=False)
+    monkeypatch.setattr(plotting, "_SOURCE_ROOT", tmp_path / "site-packages")
+    monkeypatch.chdir(tmp_path)
+    assert figures.main([]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: no notebooks")
+    assert str(tmp_path / "notebooks") in err and "--notebooks" in err
+    assert "SDILOCO_REPO" in err
+    assert not list(tmp_path.iterdir())  # nothing written
+    # Pointed at a checkout, from anywhere, it finds the notebooks again.
+    assert figures.main(["--list", "--notebooks", str(ROOT / "notebooks")]) == 0
+    assert "fig02_fragment_patterns" in capsys.readouterr().out
+    monkeypatch.setenv("SDILOCO_REPO", str(ROOT))
+    assert figures.notebooks_dir() == ROOT / "notebooks"
+
+
+def test_wheel_install_finds_no_notebooks_and_writes_nothing(tmp_path):
+    # The package copied alone onto the path, as a wheel installs it.
+    site = tmp_path / "site-packages"
+    shutil.copytree(
+        ROOT / "sdiloco", site / "sdiloco", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    work = tmp_path / "work"
+    work.mkdir()
+    before = _files(site)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SDILOCO_")}
+    env.update(PYTHONPATH=str(site), PYTHONDONTWRITEBYTECODE="1", MPLBACKEND="Agg")
+    proc = subprocess.run(
+        [sys.executable, "-m", "sdiloco.paper", "--fast"],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.count("\n") == 1, proc.stderr
+    assert "no notebooks" in proc.stderr and str(work / "notebooks") in proc.stderr
+    assert "0/0" not in proc.stdout
+    assert _files(site) == before and not list(work.iterdir())
+    # The package imported is the copy, and its artifact/cache directories are not
+    # in it.
+    code = (
+        "import sdiloco, pathlib; from sdiloco.paper import plotting; "
+        "print(pathlib.Path(sdiloco.__file__).parent); print(plotting.REPO_ROOT)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    package, root = proc.stdout.split()
+    assert pathlib.Path(package) == site / "sdiloco"
+    assert pathlib.Path(root) == work
+    assert _files(site) == before
