@@ -131,7 +131,7 @@ def nonfinite_fragments(fragments: Fragments, leaves: list[Array]) -> Bool[Array
 def bits_per_fragment(
     compressor: Compressor | None, fragments: Fragments
 ) -> np.ndarray:
-    """Exact bits one replica puts on the wire to send each fragment (SPEC §3).
+    """Exact bits one replica puts on the wire to send each fragment (docs/contract.md §3).
 
     Payload plus metadata, summed over the fragment's groups. Without a compressor,
     outer gradients travel as float32: 32 bits per element.

@@ -2,7 +2,7 @@
 
 Streaming DiLoCo, Alg. 2, l.3-5: `θ_m ← InnerOpt(θ_m, ∇L(θ_m; x_m))`. The inner
 optimizer state is per replica and is never synchronised, reset or touched by a sync
-(PAPER.md §1.9).
+(docs/paper.md §1.9).
 """
 
 from collections.abc import Callable

@@ -1,7 +1,7 @@
 """The outer step of (Streaming) DiLoCo, restricted to one fragment, and the α-merge.
 
 The outer optimizer is any optax transformation. Its state is kept **separate per
-fragment** (SPEC §1): the leaves that mirror the parameters (momentum, Adam moments) are
+fragment** (docs/contract.md §1): the leaves that mirror the parameters (momentum, Adam moments) are
 stored once, since fragments are disjoint and a fragment only ever writes its own
 elements, while every other leaf (step counts, schedules' counters) is stacked on a
 leading fragment axis `[P, ...]`, so that an optimizer with a step count counts the
@@ -47,7 +47,7 @@ def outer_step(
 ) -> tuple[Params, optax.OptState]:
     """One outer step of fragment p: `θ_g[p], s_p ← OuterOpt(θ_g[p], s_p, Δ̄_p)`.
 
-    Streaming DiLoCo, Alg. 2, l.11 (applied to the global parameters, SPEC §1, 3.).
+    Streaming DiLoCo, Alg. 2, l.11 (applied to the global parameters, docs/contract.md §1, step 3).
     Every element outside fragment p, of the parameters and of the state, is returned
     bitwise unchanged.
 

@@ -20,20 +20,7 @@ DOCS = ROOT / "docs"
 FORBIDDEN = ("PAPER" + ".md", "SPEC" + ".md", "SPEC" + " §", "shared" + "/spec")
 
 # Being converted: another change rewrites these files; the lead empties this set.
-BEING_CONVERTED = {
-    "sdiloco/streaming.py",
-    "sdiloco/base.py",
-    "sdiloco/outer.py",
-    "sdiloco/communication.py",
-    "sdiloco/inner.py",
-    "sdiloco/data_parallel.py",
-    "sdiloco/__init__.py",
-    "sdiloco/lab/config.py",
-    "sdiloco/lab/train.py",
-    "sdiloco/paper/experiments.py",
-    "tests/test_streaming.py",
-    "tests/test_train.py",
-}
+BEING_CONVERTED: set[str] = set()
 
 _SECTION = r"\d+(?:\.\d+)*"
 # `docs/<note>.md §N` anywhere; inside docs/ also a Markdown link `](<note>.md) §N`.

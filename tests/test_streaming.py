@@ -495,7 +495,7 @@ def test_bad_batch_and_params():
 
 def test_error_feedback_carries_the_residual():
     # At a send, each replica transmits Q(delta + e) and keeps e' = delta + e - Q(...)
-    # on the sent fragment; elsewhere e is untouched (beyond the paper, SPEC §2).
+    # on the sent fragment; elsewhere e is untouched (beyond the paper, docs/contract.md §2).
     params = toy_params(jr.key(23))
     frags = _frags(params, 2)
     q = sdiloco.quantizer("e3m0")

@@ -43,6 +43,7 @@ from ..custom_types import Batch
 AXIS = "replica"
 """Name of the mesh axis the replicas are sharded over."""
 
+
 def replica_mesh(num_replicas: int, devices: Any = None) -> Mesh:
     """A one-axis mesh `("replica",)` over `devices`, for M replicas.
 
