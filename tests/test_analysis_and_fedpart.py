@@ -2,8 +2,10 @@
 sparsifier and freezing knobs of `StreamingConfig`, and the experiment/plotting helpers
 the notebooks use."""
 
+import functools as ft
 import json
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
@@ -72,8 +74,10 @@ def test_freeze_unsynced_rejects_mismatched_schedule():
         sdiloco.freeze_unsynced(optax.sgd(0.1), frags, sdiloco.make_schedule(10, 3, 1))
 
 
-def _trained_state(seed, replicas=3, steps=5):
-    params = toy_params(jr.key(seed), layers=4)
+@ft.cache
+def _algorithm(replicas):
+    """One algorithm (and one compiled step) per M, shared by every example."""
+    params = toy_params(jr.key(0), layers=4)
     alg = sdiloco.streaming_diloco(
         toy_loss,
         inner=optax.sgd(0.05),
@@ -82,9 +86,15 @@ def _trained_state(seed, replicas=3, steps=5):
         fragments=_fragments(params, per=2),
         overlap=1,
     )
+    return alg, eqx.filter_jit(alg.step)
+
+
+def _trained_state(seed, replicas=3, steps=5):
+    params = toy_params(jr.key(seed), layers=4)
+    alg, step = _algorithm(replicas)
     state = alg.init(params)
     for batch in toy_batches(jr.key(seed + 1), steps=steps, replicas=replicas):
-        state, _ = alg.step(state, batch)
+        state, _ = step(state, batch)
     return params, state
 
 

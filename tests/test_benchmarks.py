@@ -34,6 +34,7 @@ def standard_promotion():
         yield
 
 
+@pytest.mark.integration
 def test_streaming_step_compiles_once_and_metrics_match_the_accounting():
     steps = 3 * H  # >= 2H, and every fragment is sent and arrives at least twice
     config = _common.run_config(
@@ -51,6 +52,7 @@ def test_streaming_step_compiles_once_and_metrics_match_the_accounting():
     assert out["bits"] == [float(b) for b in expected["per_step"]]
 
 
+@pytest.mark.integration
 def test_bits_of_the_paper_1b_run():
     steps, n = 24_300, 1_273_598_976  # Table 1 (25B tokens); PAPER_SCALES["1B"]
     rows = bits.table("1B", sync_every=100, steps=steps)
@@ -82,6 +84,7 @@ def test_bits_of_the_paper_1b_run():
     )
 
 
+@pytest.mark.integration
 def test_state_bytes_match_the_analytic_count():
     for preset in ("streaming_overlap_fp4", "data_parallel"):
         config = _common.run_config(preset, model="tiny-xs")

@@ -9,6 +9,9 @@ from sdiloco.lab.checkpoint import Checkpointer, CheckpointError
 from sdiloco.lab.train import build, run
 
 
+pytestmark = pytest.mark.integration  # every test here trains a run
+
+
 @pytest.fixture(autouse=True)
 def standard_promotion():
     """Runs use optax's AdamW, whose `b1 ** count` strict promotion rejects."""

@@ -22,6 +22,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
     ],
     ids=["alpha", "replicas", "quantizer", "preset", "steps-type"],
 )
+@pytest.mark.integration
 def test_bad_flag_is_one_line_and_exit_2(flags, field, tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run(

@@ -39,6 +39,7 @@ def test_no_notebooks_outside_a_checkout(tmp_path, monkeypatch, capsys):
     assert figures.notebooks_dir() == ROOT / "notebooks"
 
 
+@pytest.mark.integration
 def test_wheel_install_finds_no_notebooks_and_writes_nothing(tmp_path):
     # The package copied alone onto the path, as a wheel installs it.
     site = tmp_path / "site-packages"

@@ -22,6 +22,7 @@ def test_there_are_notebooks():
     assert len(NOTEBOOKS) >= 1
 
 
+@pytest.mark.notebook
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
 def test_notebook_runs_fast_and_writes_artifacts(path, tmp_path):
     env = dict(

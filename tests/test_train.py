@@ -42,6 +42,7 @@ def _tiny(preset="streaming_overlap_fp4", **changes):
     return config_lib.preset(preset, method=method, **{**base, **changes})
 
 
+@pytest.mark.integration
 def test_learns_below_unigram_entropy():
     # A real learning check: the held-out cross-entropy of theta_g falls well below the
     # corpus's unigram entropy (3.31 nats/byte), which a model ignoring context cannot.
@@ -62,6 +63,7 @@ def test_learns_below_unigram_entropy():
     assert history.summary["bits_total"] > 0
 
 
+@pytest.mark.integration
 def test_resume_mid_flight_is_bitwise_identical(tmp_path):
     cfg = _tiny(checkpoint_every=0)
     full = run(cfg, progress=False)
@@ -81,6 +83,7 @@ def test_resume_mid_flight_is_bitwise_identical(tmp_path):
         assert json.load(f)["summary"]["steps"] == 12
 
 
+@pytest.mark.integration
 def test_bad_checkpoints(tmp_path):
     cfg = _tiny(steps=4)
     run(cfg, tmp_path, progress=False)
@@ -101,6 +104,7 @@ def test_bad_checkpoints(tmp_path):
         checkpointer.restore(None, [])
 
 
+@pytest.mark.integration
 def test_data_parallel_and_diloco_run(tmp_path):
     for name in ("data_parallel", "diloco"):
         history = run(_tiny(name, steps=4), tmp_path / name, progress=False)
@@ -108,6 +112,7 @@ def test_data_parallel_and_diloco_run(tmp_path):
         assert os.path.exists(tmp_path / name / "history.csv")
 
 
+@pytest.mark.integration
 def test_cli(tmp_path, capsys):
     tokens = np.random.default_rng(0).integers(0, 256, 100_000).astype(np.uint16)
     np.save(tmp_path / "tokens.npy", tokens)

@@ -1,0 +1,118 @@
+"""Validation of config fields and the one loader of configs from JSON-like data.
+
+Every config is a frozen dataclass checked in `__post_init__` with the helpers here,
+each raising `ValueError` naming the field, the value and what is allowed. `from_dict`
+builds any config (nested configs from dicts, tuples from lists, unknown fields
+refused); a field typed as a union of configs that carry a `kind` (the method configs)
+is built from the class whose `kind` the data names.
+"""
+
+import dataclasses
+import types
+import typing
+from typing import Any
+
+
+def from_dict(cls: Any, data: dict) -> Any:
+    """A config of class `cls` (or of the union member named by `data["kind"]`).
+
+    Raises:
+        ValueError: naming the config, the unknown field and the allowed ones, or the
+            unknown `kind` and the allowed ones.
+    """
+    data = dict(data)
+    if isinstance(cls, types.UnionType):
+        cls = _member(cls, data.pop("kind", None))
+    elif "kind" in data and hasattr(cls, "kind"):
+        kind = data.pop("kind")
+        if kind != cls.kind:
+            raise ValueError(f"kind={kind!r} for a {cls.__name__} ({cls.kind!r}).")
+    check_fields(cls, data)
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for name, value in data.items():
+        hint = hints[name]
+        if isinstance(value, dict) and _is_config_union(hint):
+            value = from_dict(hint, value)
+        elif isinstance(value, dict) and dataclasses.is_dataclass(hint):
+            value = from_dict(hint, value)
+        elif isinstance(value, list):
+            value = tuple(value)
+        kwargs[name] = value
+    return cls(**kwargs)
+
+
+def replace(config: Any, **changes: Any) -> Any:
+    """`dataclasses.replace` that refuses unknown fields (naming them) and applies
+    dicts of changes to nested configs."""
+    check_fields(type(config), changes)
+    nested = {
+        f.name: replace(getattr(config, f.name), **changes[f.name])
+        for f in dataclasses.fields(config)
+        if isinstance(changes.get(f.name), dict)
+        and dataclasses.is_dataclass(getattr(config, f.name))
+    }
+    return dataclasses.replace(config, **{**changes, **nested})
+
+
+def check_fields(cls: type, changes: dict) -> None:
+    """Raise ValueError unless every key of `changes` is a field of `cls`."""
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in changes:
+        if key not in names:
+            raise ValueError(
+                f"{cls.__name__} has no field {key!r}; its fields: {names}."
+            )
+
+
+def coerce(config: Any, name: str, cls: type) -> None:
+    """In `__post_init__`: build field `name` from a dict, if it was given one."""
+    value = getattr(config, name)
+    if isinstance(value, dict):
+        object.__setattr__(config, name, from_dict(cls, value))
+
+
+def positive(name: str, value: Any) -> None:
+    """A number > 0."""
+    if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
+        raise ValueError(f"{name}={value!r}; must be a number > 0.")
+
+
+def positive_int(name: str, value: Any) -> None:
+    """An integer >= 1."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}={value!r}; must be an integer >= 1.")
+
+
+def nonnegative_int(name: str, value: Any) -> None:
+    """An integer >= 0."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{name}={value!r}; must be an integer >= 0.")
+
+
+def choice(name: str, value: Any, allowed: tuple) -> None:
+    """One of `allowed`."""
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r}; allowed: {allowed}.")
+
+
+def in_range(name, value, low, high, allowed: str, open_high: bool = False) -> None:
+    """A number in `[low, high]` (`[low, high)` with `open_high`; no bound if None)."""
+    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    ok = ok and value >= low
+    if ok and high is not None:
+        ok = value < high if open_high else value <= high
+    if not ok:
+        raise ValueError(f"{name}={value!r}; must be in {allowed}.")
+
+
+def _is_config_union(hint: Any) -> bool:
+    args = typing.get_args(hint) if isinstance(hint, types.UnionType) else ()
+    return bool(args) and all(hasattr(a, "kind") for a in args)
+
+
+def _member(union: Any, kind: Any) -> type:
+    members = {a.kind: a for a in typing.get_args(union)}
+    if kind not in members:
+        raise ValueError(f"method kind={kind!r}; allowed: {sorted(members)}.")
+    return members[kind]

@@ -1,0 +1,290 @@
+"""One config per method, each holding only the fields that method uses.
+
+* `DataParallelConfig` builds `sdiloco.data_parallel`;
+* `DiLoCoConfig` builds `sdiloco.diloco` (P = 1, τ = 0, α = 0, float32);
+* `StreamingConfig` builds `sdiloco.streaming_diloco` (fragments, overlap,
+  compression).
+
+Each names itself by a `kind` ("data_parallel", "diloco", "streaming"), which is how
+its JSON says which method it is.
+"""
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import optax
+
+from ..base import Algorithm
+from ..compression import FORMATS, Compressor, dare, fed_dropout, quantizer, top_k
+from ..data_parallel import data_parallel
+from ..fedpart import freeze_unsynced
+from ..fragments import Fragments, fragments_by_layer
+from ..schedule import make_schedule
+from ..streaming import NONFINITE_POLICIES, diloco, streaming_diloco
+from . import fields
+
+
+SPARSIFIERS = ("fed_dropout", "dare", "top_k")
+
+
+@dataclasses.dataclass(frozen=True)
+class OuterConfig:
+    """The outer optimizer: SGD with (Nesterov) momentum, constant learning rate."""
+
+    lr: float = 0.4
+    momentum: float = 0.9
+    """0 gives plain SGD (with lr 1: periodic averaging)."""
+    nesterov: bool = True
+
+    def __post_init__(self):
+        fields.positive("OuterConfig.lr", self.lr)
+        fields.in_range(
+            "OuterConfig.momentum", self.momentum, 0, 1, "[0, 1)", open_high=True
+        )
+
+    def build(self) -> optax.GradientTransformation:
+        """`optax.sgd(lr, momentum, nesterov)`."""
+        return optax.sgd(
+            self.lr, momentum=self.momentum or None, nesterov=self.nesterov
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class DataParallelConfig:
+    """Data-Parallel, the paper's baseline: gradients averaged every step."""
+
+    kind: ClassVar[str] = "data_parallel"
+    num_replicas: int = 2
+    """M."""
+
+    def __post_init__(self):
+        fields.positive_int("DataParallelConfig.num_replicas", self.num_replicas)
+
+    def build(
+        self,
+        loss_fn: Callable[..., Any],
+        inner: optax.GradientTransformation,
+        model: Any,
+        *,
+        has_aux: bool = False,
+    ) -> Algorithm:
+        """The `Algorithm` (`model` is unused: Data-Parallel has no fragments)."""
+        del model
+        return data_parallel(
+            loss_fn, inner=inner, num_replicas=self.num_replicas, has_aux=has_aux
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class DiLoCoConfig:
+    """DiLoCo: the whole model synced every H steps, float32, no overlap."""
+
+    kind: ClassVar[str] = "diloco"
+    num_replicas: int = 2
+    """M."""
+    sync_every: int = 30
+    """H (the paper's DiLoCo baseline uses 30)."""
+    outer: OuterConfig = dataclasses.field(default_factory=OuterConfig)
+    nonfinite: str = "skip"
+    """Policy for a non-finite outer gradient: "skip", "apply" or "raise"."""
+
+    def __post_init__(self):
+        fields.positive_int("DiLoCoConfig.num_replicas", self.num_replicas)
+        fields.positive_int("DiLoCoConfig.sync_every", self.sync_every)
+        fields.choice("DiLoCoConfig.nonfinite", self.nonfinite, NONFINITE_POLICIES)
+        fields.coerce(self, "outer", OuterConfig)
+
+    def build(
+        self,
+        loss_fn: Callable[..., Any],
+        inner: optax.GradientTransformation,
+        model: Any,
+        *,
+        has_aux: bool = False,
+        **kwargs: Any,
+    ) -> Algorithm:
+        """The `Algorithm`; extra keyword arguments go to `diloco` (e.g. `exchange`)."""
+        del model
+        return diloco(
+            loss_fn,
+            inner=inner,
+            outer=self.outer.build(),
+            num_replicas=self.num_replicas,
+            sync_every=self.sync_every,
+            nonfinite=self.nonfinite,
+            has_aux=has_aux,
+            **kwargs,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamingConfig:
+    """Streaming DiLoCo: fragments on a staggered schedule, overlap, compression."""
+
+    kind: ClassVar[str] = "streaming"
+    num_replicas: int = 2
+    """M."""
+    sync_every: int = 100
+    """H."""
+    layers_per_fragment: int = 3
+    """Blocks per fragment (the non-block parameters are fragment 0)."""
+    pattern: str = "strided"
+    """"strided" or "sequential"."""
+    overlap: int | tuple[int, ...] = 1
+    """τ, one int or one per replica."""
+    alpha: float = 0.5
+    """The mixing factor α."""
+    quantizer: str | None = "e3m0"
+    """Outer-gradient format (one of `FORMATS`) or None for float32."""
+    granularity: str = "tensor"
+    """Quantization scale per "tensor", "row" or "block"."""
+    rounding: str = "nearest"
+    """"nearest" or "stochastic"."""
+    error_feedback: bool = False
+    """Carry the compression residual to the fragment's next send."""
+    sparsifier: str | None = None
+    """A value-dropping compressor instead of a quantizer (one of `SPARSIFIERS`; set
+    `quantizer=None`): FedDropout, DARE or Top-K (paper Fig. 11)."""
+    drop_rate: float = 0.5
+    """Fraction of the outer gradient's entries the `sparsifier` drops (Top-K keeps
+    the largest `1 - drop_rate`)."""
+    freeze_unsynced: bool = False
+    """FedPart-style: train only the fragment synchronised next (paper §3.3.1)."""
+    nonfinite: str = "skip"
+    """Policy for a non-finite outer gradient: "skip", "apply" or "raise"."""
+    outer: OuterConfig = dataclasses.field(default_factory=OuterConfig)
+
+    def __post_init__(self):
+        if isinstance(self.overlap, list):
+            object.__setattr__(self, "overlap", tuple(self.overlap))
+        fields.coerce(self, "outer", OuterConfig)
+        fields.positive_int("StreamingConfig.num_replicas", self.num_replicas)
+        fields.positive_int(
+            "StreamingConfig.layers_per_fragment", self.layers_per_fragment
+        )
+        fields.choice("StreamingConfig.nonfinite", self.nonfinite, NONFINITE_POLICIES)
+        if self.quantizer is not None:
+            fields.choice(
+                "StreamingConfig.quantizer", self.quantizer, FORMATS + (None,)
+            )
+        if self.sparsifier is not None:
+            fields.choice(
+                "StreamingConfig.sparsifier", self.sparsifier, SPARSIFIERS + (None,)
+            )
+            if self.quantizer is not None:
+                raise ValueError(
+                    f"StreamingConfig.sparsifier={self.sparsifier!r} with quantizer="
+                    f"{self.quantizer!r}; set quantizer=None to use a sparsifier."
+                )
+        fields.in_range(
+            "StreamingConfig.drop_rate", self.drop_rate, 0, 1, "[0, 1)", True
+        )
+        if self.error_feedback and self.compressor() is None:
+            raise ValueError(
+                "StreamingConfig.error_feedback=True needs a compressor; set a "
+                "quantizer or a sparsifier."
+            )
+        # The schedule, merge and compressor knobs, checked by the factory itself.
+        try:
+            streaming_diloco(
+                lambda p, b: 0.0,
+                inner=optax.sgd(0.0),
+                num_replicas=self.num_replicas,
+                sync_every=self.sync_every,
+                overlap=self.overlap,
+                alpha=self.alpha,
+                compressor=self.compressor(),
+            )
+        except ValueError as e:
+            raise ValueError(f"StreamingConfig: {e}") from None
+
+    def compressor(self) -> Compressor | None:
+        """The outer-gradient compressor this config describes (None: float32)."""
+        if self.sparsifier == "fed_dropout":
+            return fed_dropout(self.drop_rate)
+        if self.sparsifier == "dare":
+            return dare(self.drop_rate)
+        if self.sparsifier == "top_k":
+            return top_k(1.0 - self.drop_rate)
+        if self.quantizer is None:
+            return None
+        return quantizer(
+            self.quantizer, granularity=self.granularity, rounding=self.rounding
+        )
+
+    def fragments(self, model: Any) -> Fragments:
+        """The fragments of `model` (stacked `blocks`) for this config's layers per
+        fragment and pattern; the non-block parameters are fragment 0."""
+        return fragments_by_layer(
+            model,
+            blocks=lambda m: m.blocks,
+            layers_per_fragment=self.layers_per_fragment,
+            pattern=self.pattern,
+        )
+
+    def build(
+        self,
+        loss_fn: Callable[..., Any],
+        inner: optax.GradientTransformation,
+        model: Any,
+        *,
+        has_aux: bool = False,
+        **kwargs: Any,
+    ) -> Algorithm:
+        """The `Algorithm` for `model`, whose `blocks` are stacked.
+
+        Extra keyword arguments go to `streaming_diloco` (e.g. `exchange`).
+        """
+        fragments = self.fragments(model)
+        if self.freeze_unsynced:
+            schedule = make_schedule(
+                self.sync_every,
+                fragments.num_fragments,
+                self.num_replicas,
+                self.overlap,
+            )
+            inner = freeze_unsynced(inner, fragments, schedule)
+        return streaming_diloco(
+            loss_fn,
+            inner=inner,
+            outer=self.outer.build(),
+            num_replicas=self.num_replicas,
+            sync_every=self.sync_every,
+            fragments=fragments,
+            overlap=self.overlap,
+            alpha=self.alpha,
+            compressor=self.compressor(),
+            error_feedback=self.error_feedback,
+            nonfinite=self.nonfinite,
+            has_aux=has_aux,
+            **kwargs,
+        )
+
+
+MethodConfig = DataParallelConfig | DiLoCoConfig | StreamingConfig
+"""The config of any method."""
+
+METHODS: dict[str, type] = {
+    c.kind: c for c in (DataParallelConfig, DiLoCoConfig, StreamingConfig)
+}
+"""Method name (the `kind` in JSON) → its config class."""
+
+
+def method_from_dict(data: dict) -> MethodConfig:
+    """A method config from `{"kind": ..., **fields}` (default kind: "streaming")."""
+    return fields.from_dict(MethodConfig, {"kind": "streaming", **data})
+
+
+def replace_method(method: MethodConfig, **changes: Any) -> MethodConfig:
+    """`method` with fields changed; a `kind` other than its own switches the method,
+    keeping the fields the two share (the rest take the new method's defaults)."""
+    kind = changes.pop("kind", method.kind)
+    if kind == method.kind:
+        return fields.replace(method, **changes)
+    cls = METHODS.get(kind)
+    if cls is None:
+        raise ValueError(f"method kind={kind!r}; allowed: {sorted(METHODS)}.")
+    names = {f.name for f in dataclasses.fields(cls)}
+    kept = {k: v for k, v in dataclasses.asdict(method).items() if k in names}
+    return fields.from_dict(cls, {**kept, **changes})
