@@ -1,0 +1,124 @@
+"""The layers and their dependencies, read off the import statements of every module.
+
+core (sdiloco/*.py, compression/, distributed/): jax, equinox, optax, jaxtyping, numpy
+and the standard library; never the harnesses. sim/: NumPy only. lab/: the core plus
+grain, orbax, tqdm. paper/: anything; nothing imports it.
+"""
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[1] / "sdiloco"
+STDLIB = set(sys.stdlib_module_names)
+THIRD_PARTY = {
+    "core": {"jax", "equinox", "optax", "jaxtyping", "numpy"},
+    "sim": {"numpy"},
+    # etils (epath) comes with orbax-checkpoint: its path type.
+    "lab": {
+        "jax",
+        "equinox",
+        "optax",
+        "jaxtyping",
+        "numpy",
+        "grain",
+        "orbax",
+        "etils",
+        "tqdm",
+    },
+    "paper": None,  # anything
+}
+MAY_IMPORT = {  # which layers of sdiloco each layer may import
+    "core": {"core"},
+    "sim": {"sim"},
+    "lab": {"core", "lab"},
+    "paper": {"core", "sim", "lab", "paper"},
+}
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) > 1 and parts[1] in ("sim", "lab", "paper"):
+        return parts[1]
+    return "core"
+
+
+def _module_name(path: pathlib.Path) -> str:
+    rel = path.relative_to(ROOT.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def imports(path: pathlib.Path) -> list[str]:
+    """Absolute names of every module `path` imports (relative imports resolved)."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                prefix = ".".join(base + ([node.module] if node.module else []))
+                if node.module:
+                    out.append(prefix)
+                else:
+                    out += [f"{prefix}.{a.name}" for a in node.names]
+            else:
+                out.append(node.module)
+    return out
+
+
+MODULES = sorted(p for p in ROOT.rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: _module_name(p))
+def test_module_imports_only_what_its_layer_allows(path):
+    layer = _layer(_module_name(path))
+    if _module_name(path) == "sdiloco.__main__":  # the thin `python -m sdiloco` entry
+        layer = "lab"
+    bad = []
+    for name in imports(path):
+        top = name.split(".")[0]
+        if top == "sdiloco":
+            if _layer(name) not in MAY_IMPORT[layer]:
+                bad.append(name)
+        elif top not in STDLIB and THIRD_PARTY[layer] is not None:
+            if top not in THIRD_PARTY[layer]:
+                bad.append(name)
+    assert not bad, f"{_module_name(path)} ({layer}) imports {bad}"
+
+
+def test_checker_sees_a_violation():
+    # The same parsing on a made-up core module that imports the harness.
+    fake = ROOT / "_fake_layer_check.py"
+    try:
+        fake.write_text("from .lab import train\nimport grain\n")
+        got = imports(fake)
+    finally:
+        fake.unlink()
+    assert got == ["sdiloco.lab.train", "grain"] or got == ["sdiloco.lab", "grain"]
+    assert _layer("sdiloco.lab") == "lab"
+
+
+def test_core_import_loads_no_harness():
+    code = (
+        "import sys, sdiloco, sdiloco.distributed, sdiloco.sim.utilization, "
+        "sdiloco.sim.memory\n"
+        "bad = sorted({m.split('.')[0] for m in sys.modules} & "
+        "{'grain', 'orbax', 'tqdm', 'matplotlib', 'nbclient', 'jupytext'})\n"
+        "bad += sorted(m for m in sys.modules if m.startswith(('sdiloco.lab', "
+        "'sdiloco.paper')))\n"
+        "print(bad)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "[]", out.stdout
