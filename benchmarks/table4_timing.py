@@ -11,15 +11,9 @@ import time
 import numpy as np
 
 import sdiloco.sim.utilization as ut
+from sdiloco.sim import reference
 
 
-PAPER_TABLE4_1B = {
-    "Data-Parallel": (86.8, 152.6, 184.2, 222.3, 569.0),
-    "Vanilla DiLoCo": (1.4, 6.2, 13.3, 23.3, 86.8),
-    "Streaming DiLoCo": (1.4, 5.2, 9.1, 16.0, 28.1),
-    "Streaming DiLoCo w/ overlapped com.": (1.4, 4.3, 6.2, 9.1, 11.0),
-    "Streaming DiLoCo w/ overlapped FP4 com.": (0.4, 0.9, 1.7, 2.0, 3.0),
-}
 PAPER_TABLE1 = {  # tokens (B): (steps, DP +inf, DP 1 Gbit/s, Streaming +inf, 1 Gbit/s)
     25: (24_300, 0.67, 109, 0.67, 0.88),
     100: (97_200, 2.7, 438, 2.7, 3.5),
@@ -49,7 +43,7 @@ def fit_bits(lo: float = 12.5, hi: float = 15.0, step: float = 0.01) -> None:
     """Print the ranges of the constant that fit the 1B rows."""
     grid = ut.BANDWIDTH_GRID
     w = ut.paper_workload("1B")
-    paper = np.array(list(PAPER_TABLE4_1B.values()))
+    paper = np.array(list(reference.TABLE4_1B_GBPS.values()))
     nearest = np.abs(np.log(grid)[None, None] - np.log(paper)[..., None]).argmin(-1)
     exact, within = [], []
     for bits in np.arange(lo, hi + step / 2, step):
@@ -88,7 +82,7 @@ def main() -> None:
     )
     print(ut.format_bandwidth_table(rows))
     print("\nPaper, 1B rows:")
-    for name, vals in PAPER_TABLE4_1B.items():
+    for name, vals in reference.TABLE4_1B_GBPS.items():
         print(
             f"| 1B | 24 | 0.1s | {name} | "
             + " | ".join(f"{v:.1f}" for v in vals)

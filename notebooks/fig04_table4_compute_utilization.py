@@ -42,29 +42,15 @@ import numpy as np
 
 import sdiloco.sim.utilization as ut
 from sdiloco.paper import plotting
+from sdiloco.sim import reference
 
 
 plotting.style()
 NOTEBOOK = "fig04_table4_compute_utilization"
 SIZES = ("1B", "10B", "100B")
-METHOD_KEYS = (  # plotting.METHOD_COLORS keys, in the order of ut.table4_methods()
-    "data_parallel",
-    "diloco",
-    "streaming",
-    "streaming_overlap",
-    "streaming_overlap_fp4",
-)
 # The curves: the paper's 50-point grid in FAST mode, 4x finer in the full run.
 CURVE_GRID = ut.BANDWIDTH_GRID if plotting.FAST else np.logspace(-1, 3, 197)
 
-# Paper Table 4 (docs/paper.md §3), 1B rows; the 10B and 100B rows are held out.
-PAPER_1B = {
-    "Data-Parallel": (86.8, 152.6, 184.2, 222.3, 569.0),
-    "Vanilla DiLoCo": (1.4, 6.2, 13.3, 23.3, 86.8),
-    "Streaming DiLoCo": (1.4, 5.2, 9.1, 16.0, 28.1),
-    "Streaming DiLoCo w/ overlapped com.": (1.4, 4.3, 6.2, 9.1, 11.0),
-    "Streaming DiLoCo w/ overlapped FP4 com.": (0.4, 0.9, 1.7, 2.0, 3.0),
-}
 GRID_STEP = ut.BANDWIDTH_GRID[1] / ut.BANDWIDTH_GRID[0]  # ×1.207 per grid point
 
 workloads = [ut.paper_workload(n) for n in SIZES]
@@ -95,7 +81,7 @@ curves = {
 
 fig, axes = plt.subplots(1, 3, figsize=(14, 4.3), sharey=True)
 for ax, w, letter in zip(axes, workloads, "abc"):
-    for m, key in zip(methods, METHOD_KEYS):
+    for m, key in zip(methods, reference.TABLE4_METHOD_KEYS):
         ax.plot(
             CURVE_GRID,
             curves[w.name][m.name],
@@ -103,9 +89,9 @@ for ax, w, letter in zip(axes, workloads, "abc"):
             lw=1.8,
         )
     if w.name == "1B":
-        for m, key in zip(methods, METHOD_KEYS):
+        for m, key in zip(methods, reference.TABLE4_METHOD_KEYS):
             ax.scatter(
-                PAPER_1B[m.name],
+                reference.TABLE4_1B_GBPS[m.name],
                 ut.TABLE4_TARGETS,
                 marker="x",
                 s=30,
@@ -120,7 +106,7 @@ for ax, w, letter in zip(axes, workloads, "abc"):
 axes[0].set_ylabel("compute utilization")
 handles = [
     plt.Line2D([], [], color=plotting.METHOD_COLORS[k], lw=1.8, label=m.name)
-    for m, k in zip(methods, METHOD_KEYS)
+    for m, k in zip(methods, reference.TABLE4_METHOD_KEYS)
 ] + [
     plt.Line2D(
         [], [], color="grey", marker="x", ls="", label="paper, Table 4 (1B only)"
@@ -164,7 +150,7 @@ def cell(ours: float, paper: float | None) -> str:
 
 table, gaps = [], {}
 for r in rows:
-    paper = PAPER_1B[r.method] if r.model == "1B" else None
+    paper = reference.TABLE4_1B_GBPS[r.method] if r.model == "1B" else None
     entry = {
         "Model size": r.model,
         "# layers": r.num_layers,
@@ -199,7 +185,7 @@ plotting.save_table(
     notebook=NOTEBOOK,
     config=config,
     ours_gbps={f"{r.model} {r.method}": r.gbps for r in rows},
-    paper_gbps_1b=PAPER_1B,
+    paper_gbps_1b=reference.TABLE4_1B_GBPS,
 )
 print(plotting.markdown_table(table))
 
@@ -220,7 +206,7 @@ on_point = sum(  # our grid point is the one nearest to the paper's printed valu
     o == ut.BANDWIDTH_GRID[np.argmin(np.abs(np.log(ut.BANDWIDTH_GRID / p)))]
     for r in rows
     if r.model == "1B"
-    for o, p in zip(r.gbps, PAPER_1B[r.method])
+    for o, p in zip(r.gbps, reference.TABLE4_1B_GBPS[r.method])
 )
 print(f"1B cells on the grid point nearest the paper's value: {on_point} of 25")
 

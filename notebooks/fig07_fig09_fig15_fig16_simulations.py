@@ -48,17 +48,11 @@ import numpy as np
 
 import sdiloco.sim.utilization as ut
 from sdiloco.paper import plotting
+from sdiloco.sim import reference
 
 
 plotting.style()
 NOTEBOOK = "fig07_fig09_fig15_fig16_simulations"
-METHOD_KEYS = (  # plotting.METHOD_COLORS keys, in the order of ut.table4_methods()
-    "data_parallel",
-    "diloco",
-    "streaming",
-    "streaming_overlap",
-    "streaming_overlap_fp4",
-)
 # The curves: the paper's 50-point grid in FAST mode, 4x finer in the full run.
 GRID = ut.BANDWIDTH_GRID if plotting.FAST else np.logspace(-1, 3, 197)
 TAUS = (0, 1, 5, 20) if plotting.FAST else (0, 1, 2, 3, 5, 10, 20)
@@ -96,7 +90,7 @@ def cu_axes(ax, title: str) -> None:
 def five_methods(ax, workload: ut.Workload) -> dict[str, np.ndarray]:
     """Plot the five methods of Table 4 for one workload; return their curves."""
     out = {}
-    for m, key in zip(methods, METHOD_KEYS):
+    for m, key in zip(methods, reference.TABLE4_METHOD_KEYS):
         out[m.name] = ut.utilization_curve(workload, m, GRID)
         ax.plot(GRID, out[m.name], color=plotting.METHOD_COLORS[key], lw=1.8)
     return out
@@ -106,7 +100,7 @@ def method_legend(fig) -> None:
     """One legend for the five methods, below the panels."""
     handles = [
         plt.Line2D([], [], color=plotting.METHOD_COLORS[k], lw=1.8, label=m.name)
-        for m, k in zip(methods, METHOD_KEYS)
+        for m, k in zip(methods, reference.TABLE4_METHOD_KEYS)
     ]
     fig.legend(handles=handles, loc="lower center", ncol=3, bbox_to_anchor=(0.5, -0.1))
 

@@ -12,10 +12,8 @@ import sys
 import jax
 import jax.random as jr
 import numpy as np
-import optax
-from helpers import relaxed, toy_batches, toy_loss, toy_params
+from helpers import toy_batches, toy_params, toy_streaming
 
-import sdiloco
 from sdiloco import distributed
 
 
@@ -25,18 +23,12 @@ STEPS = 7  # syncs at 2, 3, 4, ...: fragments in flight (τ = 1) at the end
 def problem(exchange=None):
     """`(algorithm, params, batches)` of the two-process test (M = 2, e3m0, τ = 1)."""
     params = toy_params(jr.key(0))
-    frags = sdiloco.fragments_by_layer(
-        params, blocks=lambda p: p["blocks"], layers_per_fragment=2
-    )
     extra = {} if exchange is None else {"exchange": exchange}
-    alg = sdiloco.streaming_diloco(
-        toy_loss,
-        inner=relaxed(optax.adamw(0.05)),
+    alg = toy_streaming(
+        params,
         num_replicas=2,
+        layers_per_fragment=2,
         sync_every=2,
-        fragments=frags,
-        overlap=1,
-        alpha=0.5,
         compressor="e3m0",
         error_feedback=True,
         **extra,

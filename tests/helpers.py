@@ -9,6 +9,8 @@ import jax.random as jr
 import numpy as np
 import optax
 
+import sdiloco
+
 
 def toy_params(key, *, dim=3, hidden=2, layers=4, dtype=jnp.float32):
     """Parameters of `toy_loss`: a linear part and L stacked tanh blocks."""
@@ -102,3 +104,20 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def toy_streaming(params, *, num_replicas, layers_per_fragment=1, **kwargs):
+    """Streaming DiLoCo on the toy model: AdamW(0.05) inner, strided fragments of
+    `layers_per_fragment` blocks, H = 3, τ = 1, α = 0.5 unless `kwargs` say otherwise."""
+    frags = sdiloco.fragments_by_layer(
+        params, blocks=lambda p: p["blocks"], layers_per_fragment=layers_per_fragment
+    )
+    options = dict(
+        inner=relaxed(optax.adamw(0.05)),
+        num_replicas=num_replicas,
+        sync_every=3,
+        fragments=frags,
+        overlap=1,
+        alpha=0.5,
+    )
+    return sdiloco.streaming_diloco(toy_loss, **{**options, **kwargs})

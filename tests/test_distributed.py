@@ -36,6 +36,7 @@ from helpers import (
     toy_batches,
     toy_loss,
     toy_params,
+    toy_streaming,
     tree_allclose,
     tree_equal,
 )
@@ -61,16 +62,8 @@ def _frags(params):
 
 def _streaming(params, exchange, **kw):
     kw = {"compressor": "e3m0", **kw}
-    return sdiloco.streaming_diloco(
-        toy_loss,
-        inner=relaxed(optax.adamw(0.05)),
-        num_replicas=M,
-        sync_every=3,
-        fragments=_frags(params),
-        overlap=1,
-        alpha=0.5,
-        exchange=exchange,
-        **kw,
+    return toy_streaming(
+        params, num_replicas=M, layers_per_fragment=2, exchange=exchange, **kw
     )
 
 

@@ -13,6 +13,7 @@ from helpers import (
     toy_batches,
     toy_loss,
     toy_params,
+    toy_streaming,
     tree_allclose,
     tree_equal,
 )
@@ -161,12 +162,11 @@ def test_global_changes_only_on_applied_fragments(h, tau, alpha, k):
         tau = 0
     params = toy_params(jr.key(1))
     frags = _frags(params, k)
-    alg = sdiloco.streaming_diloco(
-        toy_loss,
-        inner=relaxed(optax.adamw(0.05)),
+    alg = toy_streaming(
+        params,
         num_replicas=M,
+        layers_per_fragment=k,
         sync_every=h,
-        fragments=frags,
         overlap=tau,
         alpha=alpha,
     )
@@ -232,16 +232,7 @@ def test_global_invariant_to_replica_permutation():
     batches = toy_batches(jr.key(6), steps=10, replicas=M)
     perm = np.array([2, 0, 1])
     permuted = [jax.tree.map(lambda x: x[perm], b) for b in batches]
-    alg = sdiloco.streaming_diloco(
-        toy_loss,
-        inner=relaxed(optax.adamw(0.05)),
-        num_replicas=M,
-        sync_every=3,
-        fragments=_frags(params),
-        overlap=1,
-        alpha=0.5,
-        compressor=sdiloco.quantizer("e3m0"),
-    )
+    alg = toy_streaming(params, num_replicas=M, compressor=sdiloco.quantizer("e3m0"))
     a, _ = _run(alg, params, batches)
     b, _ = _run(alg, params, permuted)
     assert tree_allclose(a[-1].global_params, b[-1].global_params, rtol=1e-5, atol=1e-6)
@@ -340,14 +331,10 @@ def test_h1_sgd_equals_data_parallel():
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_compiles_once_and_state_is_stable(dtype):
     params = toy_params(jr.key(13), dtype=dtype)
-    alg = sdiloco.streaming_diloco(
-        toy_loss,
-        inner=relaxed(optax.adamw(0.05)),
+    alg = toy_streaming(
+        params,
         num_replicas=M,
-        sync_every=3,
-        fragments=_frags(params),
         overlap=(0, 1, 2),
-        alpha=0.5,
         compressor=sdiloco.quantizer("e3m0", rounding="stochastic"),
         error_feedback=True,
     )
@@ -372,13 +359,10 @@ def test_compiles_once_and_state_is_stable(dtype):
 def test_float64():
     with jax.enable_x64(True):
         params = toy_params(jr.key(15), dtype=jnp.float64)
-        alg = sdiloco.streaming_diloco(
-            toy_loss,
-            inner=relaxed(optax.adamw(0.05)),
+        alg = toy_streaming(
+            params,
             num_replicas=2,
             sync_every=2,
-            fragments=_frags(params),
-            overlap=1,
             compressor=sdiloco.quantizer("e2m1"),
         )
         history, _ = _run(

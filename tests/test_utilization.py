@@ -12,6 +12,7 @@ import sdiloco.sim.utilization as ut
 
 
 # Paper Table 4, 1B rows (docs/paper.md §3), Gbit/s for CU = 50 / 80 / 90 / 95 / 99 %.
+# An independent copy of sdiloco.sim.reference, typed again from the paper on purpose.
 PAPER_TABLE4_1B = {
     "Data-Parallel": (86.8, 152.6, 184.2, 222.3, 569.0),
     "Vanilla DiLoCo": (1.4, 6.2, 13.3, 23.3, 86.8),
