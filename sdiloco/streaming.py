@@ -158,21 +158,7 @@ def streaming_diloco(
             value and what is allowed.
     """
     outer = optax.sgd(0.4, momentum=0.9, nesterov=True) if outer is None else outer
-    if not 0 <= alpha <= 1:
-        raise ValueError(f"alpha={alpha!r}; must be in [0, 1].")
-    if nonfinite not in NONFINITE_POLICIES:
-        raise ValueError(f"nonfinite={nonfinite!r}; allowed: {NONFINITE_POLICIES}.")
-    if isinstance(compressor, str):
-        compressor = quantizer(compressor)
-    if compressor is not None and not isinstance(compressor, Compressor):
-        raise ValueError(
-            f"compressor={compressor!r} is not a Compressor; build one with "
-            "sdiloco.quantizer(...), dare(...), top_k(...) or fed_dropout(...)."
-        )
-    if error_feedback and compressor is None:
-        raise ValueError("error_feedback=True needs a compressor; got compressor=None.")
-    if fragments is not None and not isinstance(fragments, Fragments):
-        raise ValueError(f"fragments={fragments!r} is not a Fragments.")
+    compressor = _check_options(alpha, nonfinite, compressor, error_feedback, fragments)
     num_fragments = 1 if fragments is None else fragments.num_fragments
     spec = StreamingSpec(
         loss_fn=loss_fn,
@@ -451,6 +437,26 @@ def merge_arrivals(
     r_arrays = jax.lax.cond(jnp.any(merging), do_merge, lambda r: r, r_arrays)
     state = state._replace(replica_params=eqx.combine(r_arrays, r_static))
     return state, merging
+
+
+def _check_options(alpha, nonfinite, compressor, error_feedback, fragments):
+    """Validate `streaming_diloco`'s options; returns the compressor (a name built)."""
+    if not 0 <= alpha <= 1:
+        raise ValueError(f"alpha={alpha!r}; must be in [0, 1].")
+    if nonfinite not in NONFINITE_POLICIES:
+        raise ValueError(f"nonfinite={nonfinite!r}; allowed: {NONFINITE_POLICIES}.")
+    if isinstance(compressor, str):
+        compressor = quantizer(compressor)
+    if compressor is not None and not isinstance(compressor, Compressor):
+        raise ValueError(
+            f"compressor={compressor!r} is not a Compressor; build one with "
+            "sdiloco.quantizer(...), dare(...), top_k(...) or fed_dropout(...)."
+        )
+    if error_feedback and compressor is None:
+        raise ValueError("error_feedback=True needs a compressor; got compressor=None.")
+    if fragments is not None and not isinstance(fragments, Fragments):
+        raise ValueError(f"fragments={fragments!r} is not a Fragments.")
+    return compressor
 
 
 def _where_leaves(masks: list[Array], new: list[Array], old_tree: Any) -> Any:
