@@ -106,6 +106,10 @@ class DataConfig:
     """dtype of a raw `token_file`."""
     heldout_fraction: float = 0.1
     """Fraction of a user token file held out for evaluation (its tail)."""
+    validation: bool = False
+    """Tuning: evaluate on a validation split carved out of the training data (the
+    corpus's `data.VALIDATION_PLAYS`, or the tail `heldout_fraction` of a token file's
+    training part) and train on the rest; the held-out split stays unseen."""
 
     def __post_init__(self):
         fields.positive_int("DataConfig.global_batch_size", self.global_batch_size)

@@ -27,7 +27,10 @@ import numpy as np
 from jaxtyping import Integer, Shaped, UInt8
 
 
-SPLITS = ("train", "heldout", "all")
+SPLITS = ("train", "heldout", "all", "train-tune", "validation")
+VALIDATION_PLAYS = ("romances/the-tempest", "tragedies/othello")
+"""Two training plays set aside for tuning hyper-parameters ("validation"); a tuning run
+trains on the rest of the training plays ("train-tune") and never sees "heldout"."""
 TOKEN_DTYPES = (np.dtype(np.uint8), np.dtype(np.uint16), np.dtype(np.uint32))
 _READ = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
 
@@ -40,7 +43,9 @@ def load_corpus(split: str = "train") -> UInt8[np.ndarray, " n"]:
     out. Reading needs no network: the file is a package resource.
 
     Args:
-        split: "train" (34 plays), "heldout" (4 plays) or "all" (every play, in order).
+        split: "train" (34 plays), "heldout" (4 plays), "all" (every play, in order),
+            or, for tuning, "validation" (the 2 `VALIDATION_PLAYS`) and "train-tune"
+            (the other 32 training plays).
 
     Returns:
         A fresh `uint8` array of the split's bytes; the plays of a split are
@@ -55,8 +60,18 @@ def load_corpus(split: str = "train") -> UInt8[np.ndarray, " n"]:
     data = np.frombuffer(_corpus_bytes(), dtype=np.uint8)
     if split == "all":
         return data.copy()
-    plays = [p for p in corpus_index()["plays"] if p["heldout"] == (split == "heldout")]
+    plays = [p for p in corpus_index()["plays"] if _in_split(p, split)]
     return np.concatenate([data[p["start"] : p["end"]] for p in plays])
+
+
+def _in_split(play: dict, split: str) -> bool:
+    validation = play["name"] in VALIDATION_PLAYS
+    return {
+        "heldout": play["heldout"],
+        "train": not play["heldout"],
+        "train-tune": not play["heldout"] and not validation,
+        "validation": validation,
+    }[split]
 
 
 def corpus_index() -> dict:

@@ -303,6 +303,7 @@ class _Log:
 def _tokens(
     config: RunConfig, mc: model_lib.ModelConfig
 ) -> tuple[np.ndarray, np.ndarray]:
+    """`(train, evaluation)` tokens: held-out, or validation when tuning."""
     d = config.data
     if d.token_file is None:
         if mc.vocab_size < 256:
@@ -310,10 +311,16 @@ def _tokens(
                 f"model {config.model!r} has vocab_size={mc.vocab_size}; the embedded "
                 "corpus is byte-level and needs 256."
             )
+        if d.validation:
+            return data_lib.load_corpus("train-tune"), data_lib.load_corpus(
+                "validation"
+            )
         return data_lib.load_corpus("train"), data_lib.load_corpus("heldout")
     tokens = data_lib.load_tokens(d.token_file, d.token_dtype)
-    split = int(len(tokens) * (1 - d.heldout_fraction))
-    return tokens[:split], tokens[split:]
+    for _ in range(1 + d.validation):  # tuning: split the training part again
+        split = int(len(tokens) * (1 - d.heldout_fraction))
+        tokens, evaluation = tokens[:split], tokens[split:]
+    return tokens, evaluation
 
 
 def _evaluator(r: Run, c: RunConfig):

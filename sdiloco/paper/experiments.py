@@ -3,7 +3,7 @@
 A notebook describes its comparison as named `RunConfig`s; `run_all` trains each over
 the requested seeds (`with_seed` sets the model seed and the data order) and returns one
 `Result` per (name, seed). Finished runs are cached on disk by the hash of their config
-(`$SDILOCO_RUN_CACHE`, default `runs/cache/` of the repository), so notebooks that share
+(`$SDILOCO_RUN_CACHE`, default `paper_figures/runs/` of the checkout, committed), so notebooks that share
 a run (e.g. Table 5 and Table 6) train it once and a re-run only trains what changed.
 FAST mode (`plotting.FAST`) never reads or writes the cache.
 
@@ -101,16 +101,24 @@ def with_seed(config: RunConfig, seed: int) -> RunConfig:
     return config.replace(seed=seed, data={"seed": seed})
 
 
-def cache_dir() -> pathlib.Path:
-    """Where finished runs are cached (`$SDILOCO_RUN_CACHE` or `runs/cache/`)."""
+def records_dir() -> pathlib.Path:
+    """Where finished runs are recorded (`$SDILOCO_RUN_CACHE`, or the checkout's
+    `paper_figures/runs/`, committed with the artifacts)."""
     return pathlib.Path(
-        os.environ.get("SDILOCO_RUN_CACHE", REPO_ROOT / "runs" / "cache")
+        os.environ.get("SDILOCO_RUN_CACHE", REPO_ROOT / "paper_figures" / "runs")
     )
 
 
-def _key(config: RunConfig) -> str:
+def record_key(config: RunConfig) -> str:
+    """The record's name: a hash of the config's JSON (its `name` left out), so a
+    record is found by what was trained, whichever notebook asks."""
     text = config.replace(name="").to_json()
     return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def retrain() -> bool:
+    """Whether to train runs again over their records (`SDILOCO_RETRAIN=1`)."""
+    return os.environ.get("SDILOCO_RETRAIN", "0") not in ("", "0")
 
 
 def run_one(
@@ -122,17 +130,21 @@ def run_one(
     | None = None,
     progress: bool = False,
 ) -> Result:
-    """Train `config` with `seed` (or load it from the cache) and return its `Result`.
+    """Train `config` with `seed` (or read its record) and return its `Result`.
+
+    A finished run is recorded as `records_dir()/<record_key>.json` (config, evals,
+    history rows, summary), written atomically; a later call reads it instead of
+    training, unless `retrain()`. FAST mode neither reads nor writes records.
 
     Args:
         callback_factory: `factory(run) -> (callback, collect)`: `callback` goes to
             `train.run`, `collect()` returns what it gathered (stored in
-            `Result.extra`). A run with a callback is never cached.
+            `Result.extra`). A run with a callback is never recorded.
     """
     c = with_seed(config, seed)
     use_cache = not FAST and callback_factory is None
-    path = cache_dir() / f"{_key(c)}.json"
-    if use_cache and path.exists():
+    path = records_dir() / f"{record_key(c)}.json"
+    if use_cache and path.exists() and not retrain():
         d = json.loads(path.read_text())
         return Result(name, seed, c, d["evals"], d["rows"], d["summary"])
     callback, collect = None, dict
@@ -142,8 +154,8 @@ def run_one(
     if use_cache:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(h.to_dict()))
-        tmp.replace(path)  # never a partial cache entry
+        tmp.write_text(json.dumps(h.to_dict(), separators=(",", ":")))
+        tmp.replace(path)  # never a partial record
     return Result(name, seed, c, h.evals, h.rows, h.summary, collect())
 
 

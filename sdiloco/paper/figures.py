@@ -10,6 +10,11 @@ of its last full run). This command executes the notebooks with nbclient:
   each and writes into `runs/figures-fast/` (or `--out`), leaving the committed notebooks
   and artifacts alone.
 
+Finished learning runs are recorded in `paper_figures/runs/` (one small JSON each: the
+config, evaluations, history rows and summary; see `experiments.run_one`), committed
+with the artifacts, so a fresh checkout re-renders every notebook from the records in
+seconds; `--retrain` trains them again.
+
 NAME selects notebooks whose file name contains it (e.g. `fig08`, `table4`); none runs
 them all. `--jobs 2` runs two notebooks at a time. Wall times of full runs are recorded in
 `paper_figures/runtimes.json`.
@@ -123,9 +128,17 @@ def main(argv: list[str] | None = None) -> int:
         help="the notebooks' directory (default: notebooks/ of the checkout holding "
         "the current directory, or of $SDILOCO_REPO)",
     )
+    p.add_argument(
+        "--retrain",
+        action="store_true",
+        help="train every run again, replacing its record in paper_figures/runs/ "
+        "(default: re-render from the committed records, training only what is missing)",
+    )
     p.add_argument("--jobs", type=int, default=1, help="notebooks run at a time")
     p.add_argument("--list", action="store_true", help="list the notebooks and exit")
     args = p.parse_args(argv)
+    if args.retrain:  # read by experiments.run_one, here and in the subprocesses
+        os.environ["SDILOCO_RETRAIN"] = "1"
     try:
         paths = notebooks(args.names, args.notebooks)
     except ValueError as e:

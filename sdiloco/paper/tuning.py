@@ -1,0 +1,298 @@
+"""Tuning every method by one protocol, at a budget where the comparison means something.
+
+The paper takes its hyper-parameters from the Scaling Laws for DiLoCo study
+(docs/paper.md §1.13.3), which tunes the inner learning rate and the batch per method
+and sweeps the outer learning rate. We tune each method (Data-Parallel, DiLoCo,
+Streaming DiLoCo with overlapped FP4) the same way:
+
+1. `regime` fixes the budget: tokens per parameter (20 is Chinchilla-optimal) and, for
+   the DiLoCo family, the number of outer rounds (H = steps / rounds), so that a change
+   of batch keeps the tokens and the rounds and only changes the steps;
+2. `coordinate_search` sweeps one `Axis` at a time (the inner learning rate, 2x apart;
+   the outer learning rate; the global batch), each with the others at their best so
+   far, and extends an axis past its edge when the best value sits there;
+3. every run evaluates on the **validation** split (`DataConfig.validation`), never on
+   the held-out split the tables report.
+
+A trial is an ordinary recorded run (`experiments.run_one`), so a sweep resumes where
+it stopped and its records are committed with the artifacts.
+"""
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..lab import model as model_lib
+from ..lab.config import RunConfig
+from . import experiments
+
+
+@dataclasses.dataclass(frozen=True)
+class Axis:
+    """One hyper-parameter to sweep.
+
+    Attributes:
+        field: a dotted path into `RunConfig` (e.g. "inner.lr", "method.outer.lr",
+            "data.global_batch_size").
+        values: the initial grid, in increasing order.
+        extend: `extend(value, direction) -> value` beyond an edge (direction -1 below
+            the smallest, +1 above the largest); None keeps the grid fixed.
+        max_extensions: how many values may be added past the edges in all.
+    """
+
+    field: str
+    values: tuple[Any, ...]
+    extend: Callable[[Any, int], Any] | None = None
+    max_extensions: int = 2
+
+    def __post_init__(self):
+        if len(self.values) < 2:
+            raise ValueError(
+                f"Axis.values={self.values!r} for {self.field!r}; need >= 2 values."
+            )
+        if list(self.values) != sorted(self.values):
+            raise ValueError(
+                f"Axis.values={self.values!r} for {self.field!r}; must be increasing."
+            )
+
+
+def doubling(value: Any, direction: int) -> Any:
+    """The next value of a 2x-apart grid, of the value's type (a learning rate, a
+    batch size)."""
+    return type(value)(value * 2.0**direction)
+
+
+def step_by(delta: float, low: float) -> Callable[[float, int], float]:
+    """`extend` adding `delta` per step, never below `low` (e.g. the outer lr)."""
+
+    def extend(value: float, direction: int) -> float:
+        return max(low, round(value + direction * delta, 10))
+
+    return extend
+
+
+@dataclasses.dataclass(frozen=True)
+class Regime:
+    """The budget of a run: tokens per parameter and, for the DiLoCo family, rounds.
+
+    Attributes:
+        tokens_per_param: training tokens divided by the model's parameters.
+        rounds: outer rounds (syncs of each fragment); H = steps // rounds. None
+            keeps the config's H.
+        evals: evaluations per run (the last at the end).
+        eval_batches: evaluation batches per evaluation.
+        warmup_fraction: the inner warmup as a fraction of the steps.
+    """
+
+    tokens_per_param: float = 20.0
+    rounds: int | None = 50
+    evals: int = 4
+    eval_batches: int = 16
+    warmup_fraction: float = 1 / 6
+
+    def apply(self, config: RunConfig) -> RunConfig:
+        """`config` with its steps, H, warmup and evaluation set from the budget."""
+        mc = model_lib.preset(config.model)
+        tokens_per_step = config.data.global_batch_size * mc.seq_len
+        steps = math.ceil(self.tokens_per_param * mc.num_params() / tokens_per_step)
+        changes: dict[str, Any] = {
+            "steps": steps,
+            "eval_every": max(1, steps // self.evals),
+            "eval_batches": self.eval_batches,
+            "log_every": max(1, min(10, steps // 4)),
+            "inner": {"warmup_steps": max(1, round(steps * self.warmup_fraction))},
+        }
+        if self.rounds is not None and hasattr(config.method, "sync_every"):
+            h = steps // self.rounds
+            if h < 2:
+                raise ValueError(
+                    f"Regime.rounds={self.rounds} leaves H={h} for {steps} steps of "
+                    f"{config.model!r}; need H >= 2 (fewer rounds or more tokens)."
+                )
+            changes["method"] = {"sync_every": h}
+        return config.replace(**changes)
+
+
+@dataclasses.dataclass
+class Trial:
+    """One point of a sweep: the axis, its value, and the loss over seeds."""
+
+    axis: str
+    value: Any
+    config: RunConfig
+    losses: list[float]
+
+    @property
+    def mean(self) -> float:
+        return float(np.mean(self.losses))
+
+
+@dataclasses.dataclass
+class Search:
+    """What `coordinate_search` found: the best config and every trial, in order."""
+
+    best: RunConfig
+    trials: list[Trial]
+
+    def best_values(self, axes: Sequence[Axis]) -> dict[str, Any]:
+        """The chosen value of each axis."""
+        return {a.field: get_field(self.best, a.field) for a in axes}
+
+
+def coordinate_search(
+    base: RunConfig,
+    axes: Sequence[Axis],
+    *,
+    regime: Regime,
+    seeds: Sequence[int] = (0,),
+    metric: str = "eval/global",
+    train: Callable[[str, RunConfig, int], float] | None = None,
+) -> Search:
+    """Sweep each axis in turn at the best values so far; extend past an edge.
+
+    Args:
+        base: the starting config (a preset at some model size).
+        axes: the hyper-parameters, swept in this order.
+        regime: the budget every trial is trained at (applied after each change, so
+            a batch change keeps tokens and rounds).
+        seeds: the seeds of every trial (the loss is their mean).
+        metric: the final evaluation to minimise.
+        train: `train(name, config, seed) -> loss`; default `experiments.run_one`
+            (recorded, resumable) reading `metric`.
+
+    Returns:
+        The `Search`.
+
+    Raises:
+        ValueError: if the base config does not evaluate on the validation split.
+    """
+    if not base.data.validation:
+        raise ValueError(
+            "DataConfig.validation=False in the base config; tuning must evaluate on "
+            "the validation split, not on the held-out split the tables report."
+        )
+    if train is None:
+
+        def train(name: str, config: RunConfig, seed: int) -> float:
+            return experiments.run_one(name, config, seed).final(metric)
+
+    current, trials = base, []
+    seen: dict[str, Trial] = {}
+
+    def trial(axis: Axis, value: Any) -> Trial:
+        config = regime.apply(set_field(current, axis.field, value))
+        key = config.to_json()
+        if key not in seen:
+            name = f"{axis.field}={value}"
+            losses = [train(name, config, s) for s in seeds]
+            seen[key] = Trial(axis.field, value, config, losses)
+        t = dataclasses.replace(seen[key], axis=axis.field, value=value)
+        trials.append(t)
+        return t
+
+    for axis in axes:
+        values, extensions = list(axis.values), 0
+        done = {v: trial(axis, v) for v in values}
+        while True:
+            best = min(values, key=lambda v: done[v].mean)
+            edge = -1 if best == values[0] else (1 if best == values[-1] else 0)
+            if not edge or axis.extend is None or extensions >= axis.max_extensions:
+                break
+            new = axis.extend(best, edge)
+            if new in done:
+                break
+            values = sorted(values + [new])
+            done[new] = trial(axis, new)
+            extensions += 1
+        current = regime.apply(set_field(current, axis.field, best))
+    return Search(current, trials)
+
+
+PRESETS: dict[str, str] = {
+    "Data-Parallel": "data_parallel",
+    "DiLoCo": "diloco",
+    "Streaming FP4": "streaming_overlap_fp4",
+}
+"""The methods the protocol tunes, by their name in tables → preset name."""
+
+
+def standard_axes(method_kind: str) -> tuple[Axis, ...]:
+    """The protocol's axes for a method kind, in the order they are swept.
+
+    The inner learning rate on a 2x grid; for the DiLoCo family the outer learning
+    rate over {0.2, ..., 1.0} and the outer momentum (the small-H collapse of DiLoCo
+    with the paper's momentum 0.9 is the momentum's); then the global batch. Edges
+    extend (the inner lr and outer lr twice, the batch once).
+    """
+    inner = Axis("inner.lr", (1.5e-3, 3e-3, 6e-3, 1.2e-2), doubling)
+    batch = Axis("data.global_batch_size", (16, 32, 64), doubling, max_extensions=1)
+    if method_kind == "data_parallel":
+        return (inner, batch)
+    outer = Axis("method.outer.lr", (0.2, 0.4, 0.6, 0.8, 1.0), step_by(0.2, 0.1))
+    momentum = Axis("method.outer.momentum", (0.5, 0.8, 0.9, 0.95))
+    return (inner, outer, momentum, batch)
+
+
+def tune(
+    preset: str,
+    model: str,
+    *,
+    regime: Regime,
+    seeds: Sequence[int] = (0,),
+    axes: Sequence[Axis] | None = None,
+) -> Search:
+    """The protocol for one method and model size: `coordinate_search` of
+    `standard_axes` from the preset's defaults, on the validation split."""
+    from ..lab.config import preset as make_preset
+
+    base = make_preset(preset, model=model, data={"validation": True})
+    axes = standard_axes(base.method.kind) if axes is None else axes
+    return coordinate_search(regime.apply(base), axes, regime=regime, seeds=seeds)
+
+
+def get_field(config: Any, path: str) -> Any:
+    """The value at a dotted path of a config."""
+    for part in path.split("."):
+        config = getattr(config, part)
+    return config
+
+
+def set_field(config: RunConfig, path: str, value: Any) -> RunConfig:
+    """`config` with the value at a dotted path changed (validated as usual)."""
+    head, *rest = path.split(".")
+    change: Any = value
+    for part in reversed(rest):
+        change = {part: change}
+    return config.replace(**{head: change})
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m sdiloco.paper.tuning MODEL [--method NAME ...]`: run the protocol.
+
+    Trials are recorded in `paper_figures/runs/` like any learning run, so the sweep
+    can be split over machines and sessions and the notebook re-renders from them.
+    """
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m sdiloco.paper.tuning")
+    p.add_argument("model", help="a model preset, e.g. tiny-xs")
+    p.add_argument("--method", action="append", choices=sorted(PRESETS.values()))
+    p.add_argument("--tokens-per-param", type=float, default=20.0)
+    p.add_argument("--rounds", type=int, default=50)
+    args = p.parse_args(argv)
+    experiments.enable_compile_cache()
+    regime = Regime(args.tokens_per_param, args.rounds)
+    for name, preset in PRESETS.items():
+        if args.method and preset not in args.method:
+            continue
+        search = tune(preset, args.model, regime=regime)
+        axes = standard_axes(search.best.method.kind)
+        print(name, args.model, search.best_values(axes), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

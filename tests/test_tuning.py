@@ -1,0 +1,118 @@
+"""The tuning protocol: the budget it trains at and the search it runs (no training:
+the trainer is a known function of the hyper-parameters)."""
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from sdiloco.lab import config as config_lib, data, model as model_lib
+from sdiloco.paper import tuning
+
+
+def _base(preset="streaming_overlap_fp4", **changes):
+    return config_lib.preset(
+        preset, model="tiny-xxs", data={"validation": True}, **changes
+    )
+
+
+@settings(max_examples=20)
+@given(
+    model=st.sampled_from(["tiny-xxs", "tiny-xs", "tiny-s"]),
+    batch=st.sampled_from([16, 32, 64]),
+    tokens_per_param=st.sampled_from([5.0, 20.0, 80.0]),
+    rounds=st.sampled_from([10, 50]),
+)
+def test_regime_sets_tokens_per_param_and_rounds(
+    model, batch, tokens_per_param, rounds
+):
+    c = config_lib.preset(
+        "streaming_overlap_fp4", model=model, data={"global_batch_size": batch}
+    )
+    regime = tuning.Regime(tokens_per_param, rounds)
+    mc = model_lib.preset(model)
+    try:
+        out = regime.apply(c)
+    except ValueError as e:  # too few steps for that many rounds: said so
+        assert "rounds" in str(e)
+        return
+    tokens = out.steps * batch * mc.seq_len
+    assert (
+        tokens_per_param
+        <= tokens / mc.num_params()
+        < tokens_per_param + 1e-9 + (batch * mc.seq_len / mc.num_params())
+    )
+    assert out.steps // out.method.sync_every >= rounds
+    assert out.method.sync_every == out.steps // rounds
+    assert out.steps % out.eval_every < out.eval_every  # an eval lands on a step
+
+
+def test_search_finds_the_minimum_and_extends_past_edges():
+    # A loss whose best inner lr (0.05) lies past the grid's top and whose best outer
+    # lr is 0.6, with a mild batch preference for 32.
+    def loss(name, config, seed):
+        del name, seed
+        lr, olr = config.inner.lr, config.method.outer.lr
+        b = config.data.global_batch_size
+        return (math.log2(lr / 0.05)) ** 2 + (olr - 0.6) ** 2 + abs(math.log2(b / 32))
+
+    axes = (
+        tuning.Axis("inner.lr", (1.5e-3, 3e-3, 6e-3, 1.2e-2), tuning.doubling),
+        tuning.Axis(
+            "method.outer.lr", (0.2, 0.4, 0.6, 0.8, 1.0), tuning.step_by(0.2, 0.1)
+        ),
+        tuning.Axis("data.global_batch_size", (16, 32, 64), tuning.doubling, 1),
+    )
+    search = tuning.coordinate_search(
+        _base(), axes, regime=tuning.Regime(20.0, 5), train=loss
+    )
+    best = search.best_values(axes)
+    assert best["inner.lr"] == pytest.approx(4.8e-2)  # two extensions: 2.4e-2, 4.8e-2
+    assert best["method.outer.lr"] == pytest.approx(0.6)
+    assert best["data.global_batch_size"] == 32
+    lrs = [t.value for t in search.trials if t.axis == "inner.lr"]
+    assert lrs[-2:] == pytest.approx([2.4e-2, 4.8e-2])  # extended, then stopped
+    # Each trial trained at the budget: a batch change keeps tokens and rounds.
+    for t in search.trials:
+        assert t.config.steps // t.config.method.sync_every >= 5
+    assert all(t.config.data.validation for t in search.trials)
+
+
+def test_search_refuses_the_heldout_split():
+    with pytest.raises(ValueError, match="validation"):
+        tuning.coordinate_search(
+            config_lib.preset("data_parallel", model="tiny-xxs"),
+            tuning.standard_axes("data_parallel"),
+            regime=tuning.Regime(),
+            train=lambda *a: 0.0,
+        )
+
+
+def test_standard_axes_are_wide_and_two_x_apart():
+    for kind in ("data_parallel", "diloco", "streaming"):
+        axes = {a.field: a for a in tuning.standard_axes(kind)}
+        lrs = np.asarray(axes["inner.lr"].values)
+        assert len(lrs) >= 4 and np.allclose(lrs[1:] / lrs[:-1], 2)
+        assert len(axes["data.global_batch_size"].values) >= 3
+        assert ("method.outer.lr" in axes) == (kind != "data_parallel")
+
+
+def test_set_and_get_field():
+    c = tuning.set_field(_base(), "method.outer.momentum", 0.5)
+    assert tuning.get_field(c, "method.outer.momentum") == 0.5
+    with pytest.raises(ValueError, match="nope"):
+        tuning.set_field(c, "method.nope", 1)
+
+
+def test_validation_split_is_carved_from_train_and_disjoint():
+    plays = {p["name"]: p for p in data.corpus_index()["plays"]}
+    assert set(data.VALIDATION_PLAYS) <= set(plays)
+    assert not any(plays[n]["heldout"] for n in data.VALIDATION_PLAYS)
+    train, tune_, val = (
+        data.load_corpus(s) for s in ("train", "train-tune", "validation")
+    )
+    assert len(tune_) + len(val) == len(train)
+    heldout = data.load_corpus("heldout").tobytes()
+    assert val.tobytes()[:2000] not in heldout
+    assert val.tobytes()[:2000] not in tune_.tobytes()
