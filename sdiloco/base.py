@@ -79,12 +79,16 @@ class Algorithm(NamedTuple):
             one replica puts on the wire to send each fragment (docs/contract.md §3);
             for Data-Parallel, one entry: the bits of one gradient exchange.
         num_replicas: M.
+        spec: the algorithm's static description (a `StreamingSpec` for the DiLoCo
+            family, e.g. to read the in-flight buffer with
+            `streaming.inflight_outer_gradients`); None for Data-Parallel.
     """
 
     init: Callable[..., Any]
     step: Callable[[Any, Batch], tuple[Any, Metrics]]
     bits_per_fragment: Callable[[Params], np.ndarray]
     num_replicas: int
+    spec: Any = None
 
 
 def replica_fields(state: AlgorithmState) -> tuple[str, ...]:
@@ -96,13 +100,18 @@ def per_replica_bytes(state: AlgorithmState) -> dict[str, float]:
     """Bytes one replica holds of each field of `state` in a deployment.
 
     A replica field holds 1/M of its bytes per replica (its own slice); a shared field
-    is held whole by every replica (each worker keeps its own copy).
+    is held whole by every replica (each worker keeps its own copy). `state` may be
+    abstract (`jax.eval_shape(alg.init, params)`): nothing needs to be allocated.
     """
     fields = replica_fields(state)
     out = {}
     for name in state._fields:
-        leaves = [x for x in jax.tree.leaves(getattr(state, name)) if eqx.is_array(x)]
-        total = float(sum(int(x.nbytes) for x in leaves))
+        leaves = [
+            x
+            for x in jax.tree.leaves(getattr(state, name))
+            if eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
+        ]
+        total = float(sum(x.size * jnp.dtype(x.dtype).itemsize for x in leaves))
         if name in fields and leaves:
             total /= leaves[0].shape[0]
         out[name] = total

@@ -42,11 +42,14 @@ class Fragments:
             one fragment, shape `(leaf.shape[0],)` gives one label per row.
         shapes: the shape of each parameter leaf.
         num_fragments: P; every label is in `[0, P)` and every fragment is non-empty.
+        names: optional display names of the fragments (e.g. "1_2" when one compiled
+            branch serves fragments 1 and 2), used in the exchange's name scopes.
     """
 
     labels: tuple[np.ndarray, ...]
     shapes: tuple[tuple[int, ...], ...]
     num_fragments: int
+    names: tuple[str, ...] | None = None
 
     def mask(self, selected: Bool[Array, "*batch P"]) -> list[Bool[Array, "..."]]:
         """Boolean masks of the selected fragments, one per leaf, broadcastable to it.

@@ -16,10 +16,11 @@ element-wise optimizers; not of factored ones such as adafactor).
 import jax
 import jax.numpy as jnp
 import optax
-from jaxtyping import Array, Bool, Int
+from jaxtyping import Array, ArrayLike, Bool, Int
 
 from .custom_types import Params
 from .fragments import Fragments
+from .inflight import Group
 
 
 def outer_init(
@@ -89,6 +90,71 @@ def outer_step(
         for n, o, i in zip(jax.tree.leaves(new_p), leaves, param_index)
     ]
     return new_params, jax.tree.unflatten(state_def, new_leaves)
+
+
+def fragment_outer_step(
+    outer: optax.GradientTransformation,
+    group: Group,
+    j: Int[ArrayLike, ""],
+    p: Int[Array, ""],
+    params: Params,
+    state: optax.OptState,
+    outer_grad: list[Array],
+) -> tuple[Params, optax.OptState]:
+    """One outer step of fragment p on its elements only (Alg. 2, l.11).
+
+    The same step as `outer_step`, with work proportional to the fragment: the
+    optimizer sees the fragment's pieces (every other leaf an empty array), so it costs
+    the fragment's size, not the model's. Everything outside fragment p, of the
+    parameters and of the state, is returned bitwise unchanged.
+
+    Args:
+        outer: the outer optimizer.
+        group: the fragment's group (`inflight.make_layout`); j its position in it.
+        p: the fragment (traced).
+        params: the global parameters θ_g (inexact arrays only).
+        state: the per-fragment outer state from `outer_init`.
+        outer_grad: the averaged outer gradient Δ̄ of the fragment, as its pieces.
+
+    Returns:
+        The new global parameters and outer state.
+    """
+    leaves, treedef = jax.tree.flatten(params)
+    position = {i: k for k, i in enumerate(group.leaves)}
+
+    def piece(x, i):
+        if i in position:
+            return group.gather_one(position[i], x, j)
+        return jnp.zeros((0,), x.dtype)
+
+    pieces = [piece(x, i) for i, x in enumerate(leaves)]
+    grads = [
+        outer_grad[position[i]].astype(x.dtype) if i in position else x
+        for i, x in enumerate(pieces)
+    ]
+    param_index = _param_index(outer, params, state)
+    s_leaves, s_def = jax.tree.flatten(state)
+    s_pieces = [x[p] if i < 0 else piece(x, i) for x, i in zip(s_leaves, param_index)]
+    updates, new_state = outer.update(
+        jax.tree.unflatten(treedef, grads),
+        jax.tree.unflatten(s_def, s_pieces),
+        jax.tree.unflatten(treedef, pieces),
+    )
+    new_leaves = list(leaves)
+    for i, u in zip(range(len(leaves)), jax.tree.leaves(updates)):
+        if i in position:
+            x = pieces[i]
+            new = (x + u.astype(x.dtype)).astype(x.dtype)
+            new_leaves[i] = group.scatter_one(position[i], leaves[i], j, new)
+    out_state = []
+    for old, new, i in zip(s_leaves, jax.tree.leaves(new_state), param_index):
+        if i < 0:
+            out_state.append(old.at[p].set(new))
+        elif i in position:
+            out_state.append(group.scatter_one(position[i], old, j, new))
+        else:
+            out_state.append(old)
+    return jax.tree.unflatten(treedef, new_leaves), jax.tree.unflatten(s_def, out_state)
 
 
 def merge(

@@ -47,8 +47,9 @@ from .base import Algorithm, Exchange
 from .compression import Compressor, quantizer
 from .custom_types import Batch, Metrics, Params, Replicated
 from .fragments import Fragments, check_matches, single_fragment
+from .inflight import Layout, make_layout
 from .inner import check_batch, inner_steps, replicate
-from .outer import merge, outer_init, outer_step
+from .outer import fragment_outer_step, merge, outer_init
 from .schedule import NEVER, Schedule, make_schedule
 
 
@@ -63,7 +64,7 @@ class StreamingState(NamedTuple):
     outer_state: optax.OptState  # param-like leaves once; other leaves [P, ...]
     replica_params: Replicated  # θ_m, [M, ...] per array leaf
     inner_state: optax.OptState  # [M, ...] per leaf, never synchronised
-    inflight: Params  # Δ̄ of fragments in flight, [...] float32 or wider
+    inflight: Array  # [K, S] Δ̄ of fragments in flight, one slot each, float32+
     sent_at: Int[Array, " P"]  # [P] int32, step each fragment was last sent (-1: never)
     inflight_ok: Bool[Array, " P"]  # [P] bool, whether that Δ̄ was finite
     residual: Replicated | None  # error feedback, [M, ...] wide dtype; None when off
@@ -100,6 +101,10 @@ class StreamingSpec(NamedTuple):
     def fragments_of(self, params: Params) -> Fragments:
         """The fragments of `params` (one fragment when none were given)."""
         return single_fragment(params) if self.fragments is None else self.fragments
+
+    def layout_of(self, params: Params) -> Layout:
+        """The fragment groups and in-flight slots for `params` (static)."""
+        return make_layout(self.fragments_of(params), self.schedule)
 
 
 def streaming_diloco(
@@ -187,7 +192,7 @@ def streaming_diloco(
 
     init.__doc__ = streaming_init.__doc__
     step.__doc__ = streaming_step.__doc__
-    return Algorithm(init, step, bits_per_fragment, num_replicas)
+    return Algorithm(init, step, bits_per_fragment, num_replicas, spec)
 
 
 def diloco(
@@ -244,6 +249,8 @@ def streaming_init(
     frags = spec.fragments_of(params)
     check_matches(frags, params)
     arrays = eqx.filter(params, eqx.is_inexact_array)
+    layout = spec.layout_of(arrays)
+    wide = jnp.result_type(*[_wide(x) for x in jax.tree.leaves(arrays)])
     replicas = replicate(params, spec.num_replicas)
     residual = None
     if spec.error_feedback:
@@ -258,7 +265,7 @@ def streaming_init(
         inner_state=eqx.filter_vmap(spec.inner.init)(
             eqx.filter(replicas, eqx.is_inexact_array)
         ),
-        inflight=jax.tree.map(lambda x: jnp.zeros(x.shape, _wide(x)), arrays),
+        inflight=jnp.zeros((layout.num_slots, layout.slot_size), wide),
         sent_at=jnp.full((frags.num_fragments,), NEVER, jnp.int32),
         inflight_ok=jnp.ones((frags.num_fragments,), bool),
         residual=residual,
@@ -318,47 +325,53 @@ def send(
 ) -> tuple[StreamingState, Bool[Array, " P"]]:
     """Send the fragments due at t = `state.step` (Alg. 2, l.6-8).
 
-    For each sent fragment: `Δ_m = θ_g − θ_m` per replica (plus its error-feedback
-    residual), compressed per replica and averaged over replicas in float32 or wider,
-    is stored in `inflight` with `sent_at = t` and whether it is finite. Every other
-    fragment's in-flight entries are left bitwise unchanged. Nothing is computed at a
-    step that sends nothing (`lax.cond`).
+    For each sent fragment, on its elements only: `Δ_m = θ_g − θ_m` per replica (plus
+    its error-feedback residual), compressed per replica and averaged over replicas in
+    float32 or wider, is stored in the fragment's in-flight slot, with `sent_at = t`
+    and whether it is finite. Nothing else changes; a step that sends nothing computes
+    nothing.
 
     Returns:
         The new state and which fragments were sent `[P]`.
     """
     t = state.step
     sent = spec.schedule.sent(t)
-    g_leaves = jax.tree.leaves(eqx.filter(state.global_params, eqx.is_inexact_array))
-    r_leaves = jax.tree.leaves(eqx.filter(state.replica_params, eqx.is_inexact_array))
-    frags = spec.fragments_of(eqx.filter(state.global_params, eqx.is_inexact_array))
-    carried = (state.inflight, state.sent_at, state.inflight_ok, state.residual)
+    g_leaves = _leaves(state.global_params)
+    r_leaves = _leaves(state.replica_params)
+    layout = spec.layout_of(eqx.filter(state.global_params, eqx.is_inexact_array))
+    slot_of = jnp.asarray(layout.slot_of)
 
-    def do_send(carried):
-        inflight, sent_at, ok, residual = carried
-        deltas = communication.outer_gradients(g_leaves, r_leaves)
+    def one(group, j, p, carry):
+        slots, ok, residual = carry
+        deltas = communication.outer_gradients(
+            group.gather(g_leaves, j), group.gather(r_leaves, j, axis=1)
+        )
         if residual is not None:
-            deltas = [d + e for d, e in zip(deltas, jax.tree.leaves(residual))]
-        key = jr.fold_in(state.key, t)
-        mean, recon = spec.exchange(spec.compressor, frags, deltas, key, sent)
-        mask = frags.mask(sent)
-        inflight = _where_leaves(mask, mean, inflight)
+            deltas = [d + e for d, e in zip(deltas, group.gather(residual, j, axis=1))]
+        key = jr.fold_in(jr.fold_in(state.key, t), p)
+        mean, recon = spec.exchange(
+            spec.compressor, group.piece_fragments(), deltas, key, jnp.ones(1, bool)
+        )
+        vector = group.flatten(mean).astype(slots.dtype)
+        slot = slot_of[p]
+        slots = jax.lax.dynamic_update_slice(slots, vector[None], (slot, 0 * slot))
+        ok = ok.at[p].set(jnp.all(jnp.isfinite(vector)))
         if residual is not None:
             errors = [d - q for d, q in zip(deltas, recon)]
-            residual = _where_leaves([m[None] for m in mask], errors, residual)
-        finite = ~communication.nonfinite_fragments(frags, mean)
-        return (
-            inflight,
-            jnp.where(sent, t, sent_at),
-            jnp.where(sent, finite, ok),
-            residual,
-        )
+            residual = group.scatter(residual, j, errors, axis=1)
+        return slots, ok, residual
 
-    inflight, sent_at, ok, residual = jax.lax.cond(
-        jnp.any(sent), do_send, lambda c: c, carried
+    residual = None if state.residual is None else jax.tree.leaves(state.residual)
+    slots, ok, residual = layout.for_each(
+        sent, one, (state.inflight, state.inflight_ok, residual)
     )
     state = state._replace(
-        inflight=inflight, sent_at=sent_at, inflight_ok=ok, residual=residual
+        inflight=slots,
+        sent_at=jnp.where(sent, t, state.sent_at),
+        inflight_ok=ok,
+        residual=None
+        if residual is None
+        else jax.tree.unflatten(jax.tree.structure(state.residual), residual),
     )
     return state, sent
 
@@ -384,20 +397,16 @@ def outer_update(
         g_arrays = eqx.error_if(
             g_arrays, jnp.any(failed), "non-finite outer gradient (nonfinite='raise')"
         )
-    frags = spec.fragments_of(g_arrays)
+    layout = spec.layout_of(g_arrays)
+    slot_of = jnp.asarray(layout.slot_of)
 
-    def one_fragment(p, carry):
-        def step_p(c):
-            return outer_step(spec.outer, frags, p, c[0], c[1], state.inflight)
+    def one(group, j, p, carry):
+        k = slot_of[p]
+        slot = jax.lax.dynamic_slice(state.inflight, (k, 0 * k), (1, group.size))
+        grad = group.unflatten(slot[0])
+        return fragment_outer_step(spec.outer, group, j, p, *carry, grad)
 
-        return jax.lax.cond(applied[p], step_p, lambda c: c, carry)
-
-    def all_fragments(carry):
-        return jax.lax.fori_loop(0, frags.num_fragments, one_fragment, carry)
-
-    g_arrays, outer_state = jax.lax.cond(
-        jnp.any(applied), all_fragments, lambda c: c, (g_arrays, state.outer_state)
-    )
+    g_arrays, outer_state = layout.for_each(applied, one, (g_arrays, state.outer_state))
     state = state._replace(
         global_params=eqx.combine(g_arrays, g_static), outer_state=outer_state
     )
@@ -420,23 +429,47 @@ def merge_arrivals(
     keep = state.inflight_ok
     if spec.nonfinite == "apply":
         keep = jnp.ones_like(keep)
-    g_leaves = jax.tree.leaves(eqx.filter(state.global_params, eqx.is_inexact_array))
+    g_leaves = _leaves(state.global_params)
     r_arrays, r_static = eqx.partition(state.replica_params, eqx.is_inexact_array)
-    frags = spec.fragments_of(eqx.filter(state.global_params, eqx.is_inexact_array))
+    r_leaves, r_def = jax.tree.flatten(r_arrays)
+    layout = spec.layout_of(eqx.filter(state.global_params, eqx.is_inexact_array))
 
-    def do_merge(r_arrays):
-        r_leaves, treedef = jax.tree.flatten(r_arrays)
-        new = [
-            merge(r, g, due, ok, spec.alpha)
-            for r, g, due, ok in zip(
-                r_leaves, g_leaves, frags.mask(merging), frags.mask(keep)
-            )
-        ]
-        return jax.tree.unflatten(treedef, new)
+    def one(group, j, p, r_leaves):
+        new = []
+        for r, g in zip(group.gather(r_leaves, j, axis=1), group.gather(g_leaves, j)):
+            due = merging[:, p].reshape((-1,) + (1,) * g.ndim)
+            ok = keep[p].reshape((1,) * g.ndim)
+            new.append(merge(r, g, due, ok, spec.alpha))
+        return group.scatter(r_leaves, j, new, axis=1)
 
-    r_arrays = jax.lax.cond(jnp.any(merging), do_merge, lambda r: r, r_arrays)
+    r_leaves = layout.for_each(jnp.any(merging, axis=0), one, r_leaves)
+    r_arrays = jax.tree.unflatten(r_def, r_leaves)
     state = state._replace(replica_params=eqx.combine(r_arrays, r_static))
     return state, merging
+
+
+def inflight_outer_gradients(spec: StreamingSpec, state: StreamingState) -> Params:
+    """The in-flight buffer, read out: Δ̄ of every fragment in flight at `state.step`.
+
+    A fragment is in flight from its send until its outer step (`t < sent_at +
+    τ_min`). Returns the parameters' structure (inexact arrays) holding each in-flight
+    fragment's averaged outer gradient on its elements, zeros elsewhere, in the wide
+    dtype.
+    """
+    arrays = eqx.filter(state.global_params, eqx.is_inexact_array)
+    leaves, treedef = jax.tree.flatten(arrays)
+    layout = spec.layout_of(arrays)
+    slot_of = jnp.asarray(layout.slot_of)
+    tau = min(spec.schedule.overlap)
+    in_flight = (state.sent_at != NEVER) & (state.step < state.sent_at + tau)
+
+    def one(group, j, p, out):
+        k = slot_of[p]
+        slot = jax.lax.dynamic_slice(state.inflight, (k, 0 * k), (1, group.size))
+        return group.scatter(out, j, group.unflatten(slot[0]))
+
+    out = [jnp.zeros(x.shape, state.inflight.dtype) for x in leaves]
+    return jax.tree.unflatten(treedef, layout.for_each(in_flight, one, out))
 
 
 def _check_options(alpha, nonfinite, compressor, error_feedback, fragments):
@@ -459,12 +492,8 @@ def _check_options(alpha, nonfinite, compressor, error_feedback, fragments):
     return compressor
 
 
-def _where_leaves(masks: list[Array], new: list[Array], old_tree: Any) -> Any:
-    """`old_tree` with each leaf replaced by `new` where its mask is set."""
-    old, treedef = jax.tree.flatten(old_tree)
-    return jax.tree.unflatten(
-        treedef, [jnp.where(m, n, o) for m, n, o in zip(masks, new, old)]
-    )
+def _leaves(params: Params) -> list[Array]:
+    return jax.tree.leaves(eqx.filter(params, eqx.is_inexact_array))
 
 
 def _wide(x: Array) -> jnp.dtype:

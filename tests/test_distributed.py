@@ -13,6 +13,7 @@ two-process run is bitwise the single-process sharded run (the same per-device
 program; an all-gather moves bytes exactly).
 """
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -51,6 +52,17 @@ from sdiloco.lab import launch
 M = 4
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+@contextlib.contextmanager
+def _fresh_compile():
+    """Compile without the persistent cache: its executables keep the op names
+    (read by `wire_bytes`) of whatever program was cached under the same key."""
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", True)
 
 
 def _frags(params):
@@ -159,7 +171,8 @@ def test_exchange_sends_only_the_selected_fragments():
     exchange = distributed.sharded_exchange(distributed.replica_mesh(M))
     sent = jnp.array([True, False, True])
     fn = jax.jit(exchange, static_argnums=(0, 1))
-    compiled = fn.lower(compressor, frags, deltas, key, sent).compile()
+    with _fresh_compile():
+        compiled = fn.lower(compressor, frags, deltas, key, sent).compile()
     mean, own = compiled(deltas, key, sent)
     ref_mean, ref_own = communication.simulated_exchange(compressor, frags, deltas, key)
     for got, ref, mask in zip(mean, ref_mean, frags.mask(sent)):
@@ -188,11 +201,12 @@ def sharded_run():
     ref_state = sim.init(params, jr.key(7))
     state = distributed.shard_state(alg.init(params, jr.key(7)), mesh)
     ref_step = eqx.filter_jit(sim.step)
-    compiled = (
-        distributed.sharded_step(alg.step, mesh)
-        .lower(state, distributed.shard_batch(batches[0], mesh, M))
-        .compile()
-    )
+    with _fresh_compile():
+        compiled = (
+            distributed.sharded_step(alg.step, mesh)
+            .lower(state, distributed.shard_batch(batches[0], mesh, M))
+            .compile()
+        )
     ref_metrics, metrics = [], []
     for batch in batches:
         ref_state, m = ref_step(ref_state, batch)

@@ -120,7 +120,8 @@ def _exchange_local(wires, fragments, num_replicas, send_all, deltas, keys, sent
 
     def send(p, deltas, keys):
         wire = wires[p]
-        with jax.named_scope(f"sdiloco_fragment_{p}"):
+        name = fragments.names[p] if fragments.names else str(p)
+        with jax.named_scope(f"sdiloco_fragment_{name}"):
             message = jax.vmap(wire.encode)(deltas, keys)  # [local, bytes]
             messages = jax.lax.all_gather(message, AXIS, axis=0, tiled=True)  # [M, B]
             return jax.vmap(wire.decode)(messages)  # per group [M, ...]

@@ -93,13 +93,16 @@ def wire_bytes(hlo_text: str, num_replicas: int) -> dict[int, int]:
 
     Returns:
         `{fragment: bytes of one replica's message}`, from the all-gathers that
-        `sharded_exchange` emits (named `sdiloco_fragment_<p>`).
+        `sharded_exchange` emits under the scope `sdiloco_fragment_<p>`, or
+        `sdiloco_fragment_<p>_<q>...` when one compiled branch of a Streaming step
+        serves fragments p, q, ... (each sends a message of that size).
     """
     out = {}
     for c in collectives(hlo_text):
-        match = re.search(r"sdiloco_fragment_(\d+)", c.op_name)
+        match = re.search(r"sdiloco_fragment_([\d_]+)", c.op_name)
         if c.kind == "all-gather" and match:
-            out[int(match[1])] = math.prod(c.shape) // num_replicas
+            size = math.prod(c.shape) // num_replicas
+            out.update({int(p): size for p in match[1].split("_") if p})
     return out
 
 

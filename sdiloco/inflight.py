@@ -1,0 +1,218 @@
+"""Work and storage proportional to a fragment: fragment groups and in-flight slots.
+
+A fragment's elements are a static set: whole leaves and rows of stacked leaves. A
+`Group` gathers those elements of a fragment out of the parameter leaves (its
+*pieces*) and scatters them back, so that computing Δ, compressing, exchanging, the
+outer step and the merge touch only the fragment being synchronised. Fragments with the
+same shape signature share one group, whose row indices are a table indexed by the
+member's position: one compiled branch serves them all (e.g. every block fragment of a
+stacked transformer), so the program does not grow with P.
+
+The averaged outer gradient Δ̄ of a sent fragment waits in an in-flight *slot* until
+its outer step (τ_min steps later). `make_layout` reads off the schedule how many
+fragments can be in flight at once and gives each fragment a slot no other fragment
+uses while it is in flight; the buffer is `[num_slots, slot_size]`, `slot_size` the
+largest fragment. With the default schedule and τ < H / P one slot suffices.
+"""
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, ArrayLike, Bool, Int
+
+from .fragments import Fragments
+from .schedule import Schedule
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Group:
+    """Fragments with one shape signature: which leaves they touch, and which rows.
+
+    Attributes:
+        members: the fragment ids, in order.
+        leaves: the parameter leaves the fragments touch (indices into the leaves).
+        rows: per touched leaf, None (the whole leaf) or an int32 table
+            `[len(members), r]` of the rows each member holds.
+        shapes: per touched leaf, the shape of one member's piece.
+    """
+
+    members: tuple[int, ...]
+    leaves: tuple[int, ...]
+    rows: tuple[np.ndarray | None, ...]
+    shapes: tuple[tuple[int, ...], ...]
+
+    @property
+    def size(self) -> int:
+        """Elements of one member fragment."""
+        return int(sum(np.prod(s, dtype=np.int64) for s in self.shapes))
+
+    def gather(self, leaves: list[Array], j: Int[ArrayLike, ""], axis: int = 0):
+        """Member j's pieces of `leaves` (rows taken along `axis`)."""
+        return [
+            self.gather_one(k, leaves[i], j, axis) for k, i in enumerate(self.leaves)
+        ]
+
+    def scatter(
+        self,
+        leaves: list[Array],
+        j: Int[ArrayLike, ""],
+        pieces: list[Array],
+        axis: int = 0,
+    ) -> list[Array]:
+        """`leaves` with member j's elements replaced by `pieces`."""
+        leaves = list(leaves)
+        for k, (i, piece) in enumerate(zip(self.leaves, pieces)):
+            leaves[i] = self.scatter_one(k, leaves[i], j, piece, axis)
+        return leaves
+
+    def gather_one(
+        self, k: int, x: Array, j: Int[ArrayLike, ""], axis: int = 0
+    ) -> Array:
+        """Member j's piece of `x`, an array shaped like touched leaf k."""
+        rows = self.rows[k]
+        return x if rows is None else jnp.take(x, jnp.asarray(rows)[j], axis)
+
+    def scatter_one(
+        self, k: int, x: Array, j: Int[ArrayLike, ""], piece: Array, axis: int = 0
+    ) -> Array:
+        """`x` (shaped like touched leaf k) with member j's elements set to `piece`."""
+        rows = self.rows[k]
+        if rows is None:
+            return piece.astype(x.dtype)
+        index = (slice(None),) * axis + (jnp.asarray(rows)[j],)
+        return x.at[index].set(piece.astype(x.dtype))
+
+    def piece_fragments(self) -> Fragments:
+        """The pieces as one fragment (groups: whole pieces, or their rows), for the
+        compressors and the exchange."""
+        labels = tuple(
+            np.asarray(0, np.int32) if r is None else np.zeros(r.shape[1], np.int32)
+            for r in self.rows
+        )
+        return Fragments(labels, self.shapes, 1, ("_".join(map(str, self.members)),))
+
+    def flatten(self, pieces: list[Array]) -> Array:
+        """One vector of the pieces (for an in-flight slot)."""
+        return jnp.concatenate([x.reshape(-1) for x in pieces])
+
+    def unflatten(self, vector: Array) -> list[Array]:
+        """Inverse of `flatten` (on the first `size` elements of `vector`)."""
+        out, start = [], 0
+        for shape in self.shapes:
+            n = int(np.prod(shape, dtype=np.int64))
+            out.append(vector[start : start + n].reshape(shape))
+            start += n
+        return out
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Layout:
+    """The groups of a partition and the in-flight slots of a schedule.
+
+    Attributes:
+        groups: the fragment groups.
+        group_of: `[P]` the group of each fragment.
+        index_in_group: `[P]` each fragment's position among its group's members.
+        slot_of: `[P]` the in-flight slot of each fragment.
+        num_slots: K, the most fragments in flight at once.
+        slot_size: the elements of the largest fragment.
+    """
+
+    groups: tuple[Group, ...]
+    group_of: np.ndarray
+    index_in_group: np.ndarray
+    slot_of: np.ndarray
+    num_slots: int
+    slot_size: int
+
+    def for_each(
+        self,
+        selected: Bool[Array, " P"],
+        fn: Callable[[Group, Int[Array, ""], Int[Array, ""], Any], Any],
+        carry: Any,
+    ) -> Any:
+        """`carry = fn(group, j, p, carry)` for every selected fragment p, in order.
+
+        One `lax.cond` per fragment (unselected fragments cost nothing) and one branch
+        per group, so the program holds one copy of `fn` per group, not per fragment.
+        """
+        group_of = jnp.asarray(self.group_of)
+        index = jnp.asarray(self.index_in_group)
+
+        def body(p, carry):
+            branches = [lambda c, g=g: fn(g, index[p], p, c) for g in self.groups]
+
+            def run(c):
+                return jax.lax.switch(group_of[p], branches, c)
+
+            return jax.lax.cond(selected[p], run, lambda c: c, carry)
+
+        return jax.lax.fori_loop(0, len(self.group_of), body, carry)
+
+
+def make_layout(fragments: Fragments, schedule: Schedule) -> Layout:
+    """Group the fragments by shape signature and give each one an in-flight slot."""
+    signatures: dict[tuple, list[int]] = {}
+    for p in range(fragments.num_fragments):
+        sig = []
+        for i, (labels, shape) in enumerate(zip(fragments.labels, fragments.shapes)):
+            if labels.ndim == 0:
+                if int(labels) == p:
+                    sig.append((i, None))
+            elif np.any(labels == p):
+                sig.append((i, int(np.sum(labels == p))))
+        signatures.setdefault(tuple(sig), []).append(p)
+    groups, group_of, index_in = [], np.zeros(fragments.num_fragments, np.int32), None
+    index_in = np.zeros(fragments.num_fragments, np.int32)
+    for g, (sig, members) in enumerate(signatures.items()):
+        rows, shapes = [], []
+        for i, count in sig:
+            shape = fragments.shapes[i]
+            if count is None:
+                rows.append(None)
+                shapes.append(tuple(shape))
+            else:
+                table = [np.flatnonzero(fragments.labels[i] == p) for p in members]
+                rows.append(np.asarray(table, np.int32))
+                shapes.append((count,) + tuple(shape[1:]))
+        groups.append(
+            Group(tuple(members), tuple(i for i, _ in sig), tuple(rows), tuple(shapes))
+        )
+        for j, p in enumerate(members):
+            group_of[p], index_in[p] = g, j
+    slot_of, num_slots = assign_slots(schedule)
+    slot_size = max(g.size for g in groups)
+    return Layout(tuple(groups), group_of, index_in, slot_of, num_slots, slot_size)
+
+
+def assign_slots(schedule: Schedule) -> tuple[np.ndarray, int]:
+    """A slot per fragment such that no two fragments in flight at once share one.
+
+    A fragment sent at t holds its slot over `[t, t + τ_min]` (its outer step reads it
+    at `t + τ_min`; a send at that step needs its own slot). The schedule is periodic
+    with period H once every fragment has been sent, so two periods after the last
+    first send show every overlap; fragments are coloured greedily.
+
+    Returns:
+        `slot_of` `[P]` and the number of slots.
+    """
+    h, tau = schedule.sync_every, min(schedule.overlap)
+    horizon = max(schedule.first_send) + 2 * h + tau + 1
+    busy: dict[int, list[int]] = {}  # step -> fragments holding a slot
+    for p, f in enumerate(schedule.first_send):
+        for t in range(f, horizon, h):
+            for s in range(t, t + tau + 1):
+                busy.setdefault(s, []).append(p)
+    conflicts = {p: set() for p in range(schedule.num_fragments)}
+    for holders in busy.values():
+        for p in holders:
+            conflicts[p].update(q for q in holders if q != p)
+    slot_of = np.zeros(schedule.num_fragments, np.int32)
+    for p in range(schedule.num_fragments):
+        taken = {int(slot_of[q]) for q in conflicts[p] if q < p}
+        slot_of[p] = min(k for k in range(schedule.num_fragments) if k not in taken)
+    return slot_of, int(slot_of.max()) + 1
