@@ -10,9 +10,10 @@ the global copy, the outer Nesterov momentum and the in-flight buffer.
 
 The paper (§2.5, docs/paper.md §1.10) counts per replica: Data-Parallel 3N (parameters
 and Adam), DiLoCo 5N (plus global parameters and outer momentum), i.e. 5/3. Our state also
-keeps `inflight`, the averaged outer gradient Δ̄ of the fragments in flight, as one
-full-model float32 copy (only the in-flight fragments' entries are meaningful): 6N,
-i.e. 2 = 6/3 of Data-Parallel. The simulated state holds all M replicas on one device
+keeps `inflight`, the averaged outer gradient Δ̄ of the fragments in flight, in K slots
+the size of the largest fragment (K read off the schedule, 1 by default;
+`sdiloco.inflight`): 5N + the largest fragment for Streaming, 6N for DiLoCo (whose one
+fragment is the whole model). The simulated state holds all M replicas on one device
 and the shared parts once; "per replica" below is what one worker holds in a
 deployment: its replica and inner state, plus its own copy of the shared parts.
 """
@@ -45,6 +46,7 @@ def analytic(
     *,
     replicas: int,
     num_fragments: int = 1,
+    inflight_values: int | None = None,
     bytes_per_value: int = 4,
 ) -> dict[str, int]:
     """The bytes each field should hold, counted from N (float32 parameters).
@@ -52,7 +54,8 @@ def analytic(
     The inner optimizer is the presets' `clip_by_global_norm → adamw(schedule)`: two
     moments per parameter and two int32 counters (Adam's and the schedule's) per
     replica. The outer optimizer, SGD with Nesterov momentum, keeps one momentum per
-    parameter and no counter.
+    parameter and no counter. The in-flight buffer holds `inflight_values` values
+    (`num_slots × slot_size` of the run's layout; default N, one whole-model slot).
     """
     n = num_params * bytes_per_value
     inner = 2 * n + 2 * 4
@@ -64,7 +67,8 @@ def analytic(
         "outer_state": n,
         "replica_params": replicas * n,
         "inner_state": replicas * inner,
-        "inflight": num_params * 4,  # float32 (or wider) outer gradients
+        # K slots of the largest fragment, float32 (or wider) outer gradients:
+        "inflight": (num_params if inflight_values is None else inflight_values) * 4,
         "sent_at": 4 * num_fragments,
         "inflight_ok": num_fragments,
         "residual": 0,
@@ -120,9 +124,10 @@ def main() -> None:
         p = len(run.algorithm.bits_per_fragment(run.model))
         method = "data_parallel" if preset == "data_parallel" else "streaming"
         fields[preset] = sdiloco.replica_fields(state)
+        slots = state.inflight.size if hasattr(state, "inflight") else None
         rows[preset] = (
             measured(state),
-            analytic(n, method, replicas=M, num_fragments=p),
+            analytic(n, method, replicas=M, num_fragments=p, inflight_values=slots),
             step_memory(run, state),
         )
     print(f"model {args.model}: N = {n:,} float32 parameters, M = {M}\n")
@@ -150,10 +155,12 @@ def main() -> None:
         + " |"
     )
     ours = per["streaming_overlap_fp4"]
+    slot = rows["streaming_overlap_fp4"][0]["inflight"]
     print(
-        f"\nper replica ÷ Data-Parallel: ours {ours / dp:.4f} (6/3: the paper's 5 "
-        f"copies + the in-flight buffer); without the in-flight buffer "
-        f"{(ours - n * 4) / dp:.4f}; paper §2.5: "
+        f"\nper replica ÷ Data-Parallel: ours {ours / dp:.4f} = "
+        f"{ours / (4 * n):.4f} N (the paper's 5 copies + one in-flight slot of the "
+        f"largest fragment, {slot / (4 * n):.4f} N); without the slot "
+        f"{(ours - slot) / dp:.4f}; paper §2.5: "
         f"{memory_lib.overhead_vs_data_parallel(n, 'diloco'):.4f} (5/3). "
         f"sdiloco.sim.memory (paper's count): "
         f"{memory_lib.memory_footprint(n, 'diloco').hbm_bytes:,.0f} B; ours {ours:,} B"
@@ -174,18 +181,20 @@ def main() -> None:
 
 
 def paper_scale_table() -> str:
-    """Per-replica GiB at the paper's scales: §2.5's counts and ours (analytic)."""
+    """Per-replica GiB at the paper's scales: §2.5's counts and ours (analytic; the
+    largest fragment taken as 3 of the L layers' share of N)."""
     gib = memory_lib.GIB
     lines = [
-        "| N, layers | Data-Parallel (3N) | DiLoCo, paper (5N) | ours (6N) | "
-        "Streaming, paper, outer state offloaded | ours ÷ DP |",
+        "| N, layers | Data-Parallel (3N) | DiLoCo, paper (5N) | "
+        "ours, Streaming (5N + 3 layers) | Streaming, paper, outer state offloaded | "
+        "ours ÷ DP |",
         "|---|---|---|---|---|---|",
     ]
     for n, layers in ((1.27e9, 24), (100e9, 108)):
         dp = memory_lib.memory_footprint(n, "data_parallel").hbm_bytes
         di = memory_lib.memory_footprint(n, "diloco").hbm_bytes
         sd = memory_lib.memory_footprint(n, "streaming", num_layers=layers).hbm_bytes
-        ours = di + 4 * n
+        ours = di + 4 * n * 3 / layers  # one slot of a 3-layer fragment
         lines.append(
             f"| {n:.3g}, {layers} | {dp / gib:,.1f} | {di / gib:,.1f} | "
             f"{ours / gib:,.1f} | {sd / gib:,.1f} | {ours / dp:.3f} |"

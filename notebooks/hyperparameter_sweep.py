@@ -26,7 +26,7 @@
 # the rounds and takes fewer steps); then one axis at a time, each at the best values
 # so far: the inner learning rate (2x grid, extended past an edge), the outer learning
 # rate ({0.2, …, 1.0}, extended), the outer momentum ({0.5, 0.8, 0.9, 0.95}), the
-# global batch ({16, 32, 64}, extended once). Every trial evaluates on the
+# global batch ({16, 32, 64}, extended twice; the inner learning rate up to four times). Every trial evaluates on the
 # **validation** split (2 training plays set aside), never on the held-out split the
 # tables report. One seed per trial.
 

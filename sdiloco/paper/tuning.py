@@ -225,10 +225,10 @@ def standard_axes(method_kind: str) -> tuple[Axis, ...]:
     The inner learning rate on a 2x grid; for the DiLoCo family the outer learning
     rate over {0.2, ..., 1.0} and the outer momentum (the small-H collapse of DiLoCo
     with the paper's momentum 0.9 is the momentum's); then the global batch. Edges
-    extend (the inner lr and outer lr twice, the batch once).
+    extend (the inner lr up to four times, the outer lr and the batch twice).
     """
-    inner = Axis("inner.lr", (1.5e-3, 3e-3, 6e-3, 1.2e-2), doubling)
-    batch = Axis("data.global_batch_size", (16, 32, 64), doubling, max_extensions=1)
+    inner = Axis("inner.lr", (1.5e-3, 3e-3, 6e-3, 1.2e-2), doubling, max_extensions=4)
+    batch = Axis("data.global_batch_size", (16, 32, 64), doubling, max_extensions=2)
     if method_kind == "data_parallel":
         return (inner, batch)
     outer = Axis("method.outer.lr", (0.2, 0.4, 0.6, 0.8, 1.0), step_by(0.2, 0.1))
