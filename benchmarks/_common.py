@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import sdiloco
 from sdiloco.inner import inner_steps
 from sdiloco.lab import config as config_lib, model as model_lib, train
 
@@ -119,20 +120,15 @@ def random_batches(
 
 
 def jit_step(step: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
-    """`step(state, batch)` jitted once, donating the state (not the reusable batch).
+    """`step(state, batch)` jitted once with the state donated, as `sdiloco.jit_step`
+    runs it, under the standard dtype promotion optax's Adam needs."""
+    f = sdiloco.jit_step(sdiloco.Algorithm(None, step, None, 0))
 
-    Returns:
-        `f(state, batch) -> (state, metrics)`.
-    """
-    swapped = eqx.filter_jit(
-        lambda batch, state: step(state, batch), donate="all-except-first"
-    )
-
-    def f(state, batch):
+    def run(state, batch):
         with jax.numpy_dtype_promotion("standard"):
-            return swapped(batch, state)
+            return f(state, batch)
 
-    return f
+    return run
 
 
 def timed(f: Callable[[], Any]) -> tuple[Any, float, float]:

@@ -13,6 +13,7 @@ from .base import (
     AlgorithmState as AlgorithmState,
     Exchange as Exchange,
     global_params as global_params,
+    jit_step as jit_step,
     per_replica_bytes as per_replica_bytes,
     replica_average as replica_average,
     replica_fields as replica_fields,

@@ -20,12 +20,11 @@ from typing import Any
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 from tqdm.auto import tqdm
 
-from ..base import Algorithm, replica_average, replica_params
+from ..base import Algorithm, jit_step, replica_average, replica_params
 from . import data as data_lib, model as model_lib
 from .checkpoint import Checkpointer
 from .config import RunConfig
@@ -145,7 +144,7 @@ def run(
     ckpt = None
     if out_dir is not None:
         ckpt, state = _open_checkpoints(r, out_dir, resume, state, iterators, log)
-    step_fn = donated_step(r.algorithm)
+    step_fn = jit_step(r.algorithm)
     evaluate = _evaluator(r, c)
     start_step = int(state.step)
     last = c.steps if stop_after is None else min(stop_after, c.steps)
@@ -171,30 +170,6 @@ def run(
     if out_dir is not None:
         history.save(out_dir)
     return history
-
-
-def donated_step(algorithm: Algorithm) -> Callable[[Any, Any], tuple[Any, dict]]:
-    """`algorithm.step` jitted with the state donated (updated in place), not the batch.
-
-    Call it as `step(state, batch)`. The state passed in is consumed: do not use it
-    again. The first call copies the state's arrays, since `init` aliases the model's
-    own arrays (which the caller may still hold).
-    """
-    jitted = eqx.filter_jit(
-        lambda batch, state: algorithm.step(state, batch), donate="all-except-first"
-    )
-    copied = False
-
-    def step(state, batch):
-        nonlocal copied
-        if not copied:
-            state = jax.tree.map(
-                lambda x: jnp.array(x) if eqx.is_array(x) else x, state
-            )
-            copied = True
-        return jitted(batch, state)
-
-    return step
 
 
 def _open_checkpoints(r: "Run", out_dir, resume: bool, state, iterators, log: "_Log"):
