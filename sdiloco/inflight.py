@@ -72,19 +72,39 @@ class Group:
     def gather_one(
         self, k: int, x: Array, j: Int[ArrayLike, ""], axis: int = 0
     ) -> Array:
-        """Member j's piece of `x`, an array shaped like touched leaf k."""
+        """Member j's piece of `x`, an array shaped like touched leaf k (with `axis`
+        leading batch axes)."""
         rows = self.rows[k]
-        return x if rows is None else jnp.take(x, jnp.asarray(rows)[j], axis)
+        if rows is None:
+            return x
+        start, stride = _progression(rows, x.shape[axis])
+        if stride is None:  # any rows: a gather
+            return jnp.take(x, jnp.asarray(rows)[j], axis)
+        first = jnp.asarray(start)[j]
+        if stride == 1:  # contiguous rows: a dynamic slice
+            return jax.lax.dynamic_slice_in_dim(x, first, rows.shape[1], axis)
+        # Every `stride`-th row from `first`: view the rows as [count, stride].
+        folded = _fold(x, axis, rows.shape[1], stride)
+        return jax.lax.dynamic_index_in_dim(folded, first, axis + 1, keepdims=False)
 
     def scatter_one(
         self, k: int, x: Array, j: Int[ArrayLike, ""], piece: Array, axis: int = 0
     ) -> Array:
         """`x` (shaped like touched leaf k) with member j's elements set to `piece`."""
         rows = self.rows[k]
+        piece = piece.astype(x.dtype)
         if rows is None:
-            return piece.astype(x.dtype)
-        index = (slice(None),) * axis + (jnp.asarray(rows)[j],)
-        return x.at[index].set(piece.astype(x.dtype))
+            return piece
+        start, stride = _progression(rows, x.shape[axis])
+        if stride is None:
+            index = (slice(None),) * axis + (jnp.asarray(rows)[j],)
+            return x.at[index].set(piece)
+        first = jnp.asarray(start)[j]
+        if stride == 1:
+            return jax.lax.dynamic_update_slice_in_dim(x, piece, first, axis)
+        folded = _fold(x, axis, rows.shape[1], stride)
+        new = jax.lax.dynamic_update_index_in_dim(folded, piece, first, axis + 1)
+        return new.reshape(x.shape)
 
     def piece_fragments(self) -> Fragments:
         """The pieces as one fragment (groups: whole pieces, or their rows), for the
@@ -151,7 +171,32 @@ class Layout:
 
             return jax.lax.cond(selected[p], run, lambda c: c, carry)
 
-        return jax.lax.fori_loop(0, len(self.group_of), body, carry)
+        def loop(carry):
+            return jax.lax.fori_loop(0, len(self.group_of), body, carry)
+
+        return jax.lax.cond(jnp.any(selected), loop, lambda c: c, carry)
+
+
+def _progression(rows: np.ndarray, length: int) -> tuple[np.ndarray, int | None]:
+    """Whether every member's rows are `start + stride·k` (`stride` shared): the
+    starts and the stride, or `(rows, None)`. Strided fragments of stacked layers have
+    the stride P_b and count·stride = the layers; sequential ones the stride 1."""
+    count = rows.shape[1]
+    start = rows[:, 0]
+    if count == 1:
+        return start, 1
+    stride = int(rows[0, 1] - rows[0, 0])
+    expected = start[:, None] + stride * np.arange(count)[None, :]
+    if stride < 1 or not np.array_equal(rows, expected):
+        return rows, None
+    if stride > 1 and (count * stride != length or np.any(start >= stride)):
+        return rows, None
+    return start, stride
+
+
+def _fold(x: Array, axis: int, count: int, stride: int) -> Array:
+    """`x` with its rows axis viewed as `[count, stride]` (row-major: a free reshape)."""
+    return x.reshape(x.shape[:axis] + (count, stride) + x.shape[axis + 1 :])
 
 
 def make_layout(fragments: Fragments, schedule: Schedule) -> Layout:
