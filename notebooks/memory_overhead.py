@@ -111,9 +111,10 @@ print(plotting.markdown_table(paper_rows))
 #
 # The library simulates the M replicas on one device: replica leaves
 # (`replica_params`, `inner_state`) carry a leading axis M, so one replica's share is
-# 1/M of them, while the outer state (`global_params`, `outer_state`) and the
-# in-flight buffer are held once, as each real worker would hold them. Data-Parallel's
-# state has no replica axis (all replicas hold the same parameters and Adam state).
+# 1/M of them (`sdiloco.per_replica_bytes` reads the state's `replica_fields`), while
+# the outer state (`global_params`, `outer_state`) and the in-flight slot are held
+# once, as each real worker would hold them. Data-Parallel's state has no replica axis
+# (all replicas hold the same parameters and Adam state).
 
 # %%
 PAPER_TERM = {
@@ -198,26 +199,31 @@ dp_ratio = {
     )
     for m in METHODS
 }
-inflight_share = next(
-    r["× parameter bytes"]
-    for r in state_rows
-    if r["model"] == MODELS[0] and r["method"] == "diloco" and r["field"] == "inflight"
-)
+
+
+def inflight_share(method):
+    """The in-flight slot of `method`'s state, in parameter bytes (first model)."""
+    return next(
+        r["× parameter bytes"]
+        for r in state_rows
+        if r["model"] == MODELS[0]
+        and r["method"] == method
+        and r["field"] == "inflight"
+    )
+
+
 paper_rows += [
     {
-        "quantity": f"library DiLoCo state / DP state ({MODELS[0]}, per replica)",
-        "paper": "5/3",
-        "ours": f"{dp_ratio['diloco'] / dp_ratio['data_parallel']:.4f} "
-        f"({(dp_ratio['diloco'] / dp_ratio['data_parallel']) - inflight_share / 3:.4f} "
-        "without the in-flight buffer)",
-    },
-    {
-        "quantity": f"library Streaming state / DP state ({MODELS[0]}, per replica)",
-        "paper": "5/3 without offload",
-        "ours": f"{dp_ratio['streaming'] / dp_ratio['data_parallel']:.4f} "
-        f"({(dp_ratio['streaming'] / dp_ratio['data_parallel']) - inflight_share / 3:.4f} "
-        "without the in-flight buffer)",
-    },
+        "quantity": f"library {name} state / DP state ({MODELS[0]}, per replica)",
+        "paper": paper,
+        "ours": f"{dp_ratio[m] / dp_ratio['data_parallel']:.4f} "
+        f"({dp_ratio[m] / dp_ratio['data_parallel'] - inflight_share(m) / 3:.4f} "
+        f"without the in-flight slot of {inflight_share(m):.4f}× the parameters)",
+    }
+    for name, m, paper in (
+        ("DiLoCo", "diloco", "5/3"),
+        ("Streaming", "streaming", "5/3 without offload"),
+    )
 ]
 plotting.save_table(
     paper_rows,
@@ -227,9 +233,9 @@ plotting.save_table(
         "Analytic rows: `sdiloco.sim.memory.memory_footprint` (FP32 values, 1 GiB = 2^30 "
         "bytes; the paper's GB are GiB). Library rows: bytes of the real training "
         "state (`train.build(config.preset(method, model=...)).init_state()`), one "
-        "replica's share, M = 2. The library keeps a full-size in-flight buffer for "
-        "the overlapped outer gradient (1× parameters) that the paper's count does "
-        "not include, and does not offload."
+        "replica's share, M = 2. The library keeps the overlapped outer gradient in "
+        "one in-flight slot the size of the largest fragment (the whole model for "
+        "DiLoCo), which the paper's count does not include, and does not offload."
     ),
     notebook=NOTEBOOK,
     config={
@@ -296,12 +302,13 @@ plt.show()
 # parameters 1×, Adam 2×, outer parameters 1×, outer momentum 1× of the parameter bytes
 # (plus a few bytes of step counters and keys), so Data-Parallel's state is exactly 3×
 # the parameter bytes, as `memory_footprint` predicts. **Differs:** (1) the library's
-# DiLoCo and Streaming states also hold a full-size in-flight outer-gradient buffer
-# (`inflight`, 1×) that lets one jitted step handle any τ, so a replica's state is 6×
-# rather than 5× the parameter bytes (ratio 2.0 to Data-Parallel instead of 5/3); a
-# deployment with τ = 0 would not need it, and with overlap only the fragment in
-# flight must be buffered. (2) The library keeps the whole outer state on device (no
-# host offload), so its Streaming state is the un-offloaded 5/3 (+ in-flight), not
+# DiLoCo and Streaming states also hold the averaged outer gradient while it is in
+# flight (`inflight`): as many slots as fragments can be in flight at once (read off
+# the schedule: one by default), each the size of the largest fragment. Streaming's
+# state is therefore 5× the parameter bytes plus its largest fragment (3 of tiny-s's
+# 6 layers: 5.47×, 1.82 of Data-Parallel), DiLoCo's 6× (its one fragment is the whole
+# model). (2) The library keeps the whole outer state on device (no host offload), so
+# its Streaming state is the un-offloaded 5/3 (+ the slot), not
 # +2 %; the +2 % is the model's prediction for an offloading implementation. (3)
 # Moving one fragment's outer state (22.2 GB) at 2 TB/s takes 11.1 ms by our count,
 # slightly above the paper's "less than 10 milliseconds".
