@@ -14,20 +14,6 @@ import sdiloco.sim.utilization as ut
 from sdiloco.sim import reference
 
 
-PAPER_TABLE1 = {  # tokens (B): (steps, DP +inf, DP 1 Gbit/s, Streaming +inf, 1 Gbit/s)
-    25: (24_300, 0.67, 109, 0.67, 0.88),
-    100: (97_200, 2.7, 438, 2.7, 3.5),
-    250: (243_000, 6.75, 1097, 6.75, 8.75),
-}
-REBUTTAL = {  # Gbit/s ("GiB" as written): DP, DiLoCo, Streaming overlapped FP4
-    1: ("21 days", "12 h", "6 h"),
-    10: ("2 days", "6 h", "5 h"),
-    100: ("10 h", "5 h", "5 h"),
-    1000: ("5 h", "5 h", "5 h"),
-}
-REBUTTAL_STEPS = 186_250
-
-
 def time_table4(repeats: int = 3) -> tuple[float, list[ut.BandwidthRow]]:
     """Best-of-`repeats` seconds to compute all 15 rows of Table 4."""
     workloads = [ut.paper_workload(n) for n in ("1B", "10B", "100B")]
@@ -96,7 +82,8 @@ def main() -> None:
     print(f"\nTable 1 hours (1B, 0.1 s/step, {bf16:g} bits/param), ours (paper):")
     print("| Tokens | Steps | DP +inf | DP 1 Gbit/s | Streaming +inf | Streaming 1 |")
     print("|---|---|---|---|---|---|")
-    for tokens, (steps, *paper) in PAPER_TABLE1.items():
+    for tokens, paper in reference.TABLE1_1B_HOURS.items():
+        steps = reference.TABLE1_1B_STEPS[tokens]
         ours = [
             ut.wall_clock_hours(w, m, b, steps)
             for m in (dp, sd)
@@ -106,7 +93,7 @@ def main() -> None:
             f"{o:.0f} ({p})" if o >= 100 else f"{o:.3g} ({p})"
             for o, p in zip(ours, paper, strict=True)
         )
-        print(f"| {tokens}B | {steps:,} | {cells} |")
+        print(f"| {tokens} | {steps:,} | {cells} |")
 
     for bits in (ut.TABLE4_BITS_PER_PARAM, bf16):
         methods = (
@@ -115,14 +102,18 @@ def main() -> None:
             ut.streaming_method(100, overlap_steps=1, fp4=True, bits_per_param=bits),
         )
         print(
-            f"\nRebuttal wall clock (1B, 0.1 s/step, {REBUTTAL_STEPS:,} steps, Gbit/s, "
+            f"\nRebuttal wall clock (1B, 0.1 s/step, {reference.REBUTTAL_STEPS:,} steps, Gbit/s, "
             f"{bits:g} bits/param), ours (rebuttal):"
         )
         print("| Gbit/s | Data-Parallel | DiLoCo H=100 | Streaming overlapped FP4 |")
         print("|---|---|---|---|")
-        for gbps, paper in REBUTTAL.items():
+        for gbps in (1.0, 10.0, 100.0, 1000.0):
+            paper = [
+                reference.REBUTTAL_TEXT[name][gbps] for name in reference.REBUTTAL_TEXT
+            ]
             hours = [
-                ut.wall_clock_hours(w, m, float(gbps), REBUTTAL_STEPS) for m in methods
+                ut.wall_clock_hours(w, m, float(gbps), reference.REBUTTAL_STEPS)
+                for m in methods
             ]
             cells = " | ".join(
                 (f"{h / 24:.1f} days" if h > 48 else f"{h:.1f} h") + f" ({p})"

@@ -37,32 +37,20 @@ import numpy as np
 
 import sdiloco.sim.utilization as ut
 from sdiloco.paper import plotting
+from sdiloco.sim import reference
 
 
 plotting.style()
 NOTEBOOK = "rebuttal_wall_clock"
 # Analytic: the whole notebook runs in a few seconds, so FAST mode uses the same settings.
-STEPS = 186_250
+STEPS = reference.REBUTTAL_STEPS
 BANDWIDTHS = (1.0, 10.0, 100.0, 1000.0)
 WORKLOAD = ut.paper_workload("1B")
 BITS = {"bf16": ut.BF16_BITS_PER_PARAM, "table4": ut.TABLE4_BITS_PER_PARAM}
 
-# The rebuttal's numbers (docs/paper.md §9), in hours, as printed (rounded).
-PAPER_HOURS = {
-    "Data-Parallel": {1.0: 21 * 24, 10.0: 2 * 24, 100.0: 10, 1000.0: 5},
-    "DiLoCo": {1.0: 12, 10.0: 6, 100.0: 5, 1000.0: 5},
-    "Streaming DiLoCo, overlapped FP4": {1.0: 6, 10.0: 5, 100.0: 5, 1000.0: 5},
-}
-PAPER_TEXT = {
-    "Data-Parallel": {1.0: "21 days", 10.0: "2 days", 100.0: "10 h", 1000.0: "5 h"},
-    "DiLoCo": {1.0: "12 h", 10.0: "6 h", 100.0: "5 h", 1000.0: "5 h"},
-    "Streaming DiLoCo, overlapped FP4": {
-        1.0: "6 h",
-        10.0: "5 h",
-        100.0: "5 h",
-        1000.0: "5 h",
-    },
-}
+# The rebuttal's numbers (docs/paper.md §9): `sdiloco.sim.reference`.
+PAPER_HOURS = reference.REBUTTAL_HOURS
+PAPER_TEXT = reference.REBUTTAL_TEXT
 
 
 def methods(bits_per_param: float) -> dict[str, ut.Method]:

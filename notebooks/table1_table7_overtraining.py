@@ -37,7 +37,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from sdiloco.paper import experiments as ex, plotting
-from sdiloco.sim import utilization as ut
+from sdiloco.sim import reference, utilization as ut
 
 
 plotting.style()
@@ -46,7 +46,7 @@ SEEDS = (0,) if plotting.FAST else (0, 1)
 BUDGETS = {"25B": ex.STEPS // 4, "100B": ex.STEPS // 2, "250B": ex.STEPS}
 if plotting.FAST:  # one budget: three compilations are the FAST-mode floor
     BUDGETS = {"250B": ex.STEPS}
-PAPER_STEPS = {"25B": 24_300, "100B": 97_200, "250B": 243_000}  # 1B, Table 1
+PAPER_STEPS = reference.TABLE1_1B_STEPS  # 1B, Table 1
 PAPER = {  # Tables 1 and 7: (terabytes exchanged, eval loss)
     "Data-Parallel": {"25B": (441, 2.67), "100B": (1767, 2.52), "250B": (4418, 2.45)},
     "Ours, M=2": {"25B": (1.10, 2.66), "100B": (4.42, 2.51), "250B": (11.05, 2.45)},

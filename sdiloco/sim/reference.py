@@ -25,3 +25,36 @@ TABLE4_METHOD_KEYS: tuple[str, ...] = (
     "streaming_overlap_fp4",
 )
 """Short keys of the methods of `table4_methods()`, in order (the preset names)."""
+
+TABLE1_1B_STEPS: dict[str, int] = {"25B": 24_300, "100B": 97_200, "250B": 243_000}
+"""Table 1 (1B model): inner steps of each token budget."""
+
+TABLE1_1B_HOURS: dict[str, tuple[float, float, float, float]] = {
+    "25B": (0.67, 109, 0.67, 0.88),
+    "100B": (2.7, 438, 2.7, 3.5),
+    "250B": (6.75, 1097, 6.75, 8.75),
+}
+"""Table 1 (1B): hours of Data-Parallel at +inf and at 1 Gbit/s, then of Streaming
+DiLoCo with overlapped FP4 at +inf and at 1 Gbit/s."""
+
+REBUTTAL_STEPS: int = 186_250
+"""The review rebuttal's wall-clock table (docs/paper.md §9): steps of its 1B run."""
+
+REBUTTAL_TEXT: dict[str, dict[float, str]] = {
+    "Data-Parallel": {1.0: "21 days", 10.0: "2 days", 100.0: "10 h", 1000.0: "5 h"},
+    "DiLoCo": {1.0: "12 h", 10.0: "6 h", 100.0: "5 h", 1000.0: "5 h"},
+    "Streaming DiLoCo, overlapped FP4": {
+        1.0: "6 h",
+        10.0: "5 h",
+        100.0: "5 h",
+        1000.0: "5 h",
+    },
+}
+"""The rebuttal's wall clock per method and bandwidth (written "GiB"), as printed."""
+
+REBUTTAL_HOURS: dict[str, dict[float, float]] = {
+    "Data-Parallel": {1.0: 21 * 24, 10.0: 2 * 24, 100.0: 10, 1000.0: 5},
+    "DiLoCo": {1.0: 12, 10.0: 6, 100.0: 5, 1000.0: 5},
+    "Streaming DiLoCo, overlapped FP4": {1.0: 6, 10.0: 5, 100.0: 5, 1000.0: 5},
+}
+"""`REBUTTAL_TEXT` in hours."""
