@@ -1,0 +1,96 @@
+"""The emulated WAN (`benchmarks/wan.py`): a limited link between two namespaces is
+visible in the time of the library's sharded exchange, and everything is torn down."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from benchmarks import wan
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+OK, WHY = wan.available()
+pytestmark = [
+    pytest.mark.multiprocess,
+    pytest.mark.skipif(not OK, reason=f"no WAN emulation here: {WHY}"),
+]
+
+
+def _namespaces() -> str:
+    return subprocess.run(
+        ["ip", "netns", "list"], capture_output=True, text=True, timeout=10
+    ).stdout
+
+
+def _exchange(rate_mbit, elements=1 << 20, rounds=3) -> dict:
+    env = dict(
+        os.environ,
+        XLA_FLAGS="--xla_force_host_platform_device_count=1",
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=str(ROOT),
+    )
+    with wan.Wan(2, rate_mbit=rate_mbit) as net:
+        argv = [sys.executable, "-m", "benchmarks.wan_worker", f"{net.ip(0)}:23456"]
+        procs = [
+            net.popen(
+                i,
+                [
+                    *argv,
+                    "2",
+                    str(i),
+                    "--elements",
+                    str(elements),
+                    "--rounds",
+                    str(rounds),
+                ],
+                env=env,
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for i in range(2)
+        ]
+        try:
+            outs = [p.communicate(timeout=120)[0] for p in procs]
+        finally:
+            for p in procs:
+                p.kill()
+    assert all(p.returncode == 0 for p in procs), outs
+    line = next(x for x in outs[0].splitlines() if x.startswith("{"))
+    return json.loads(line)
+
+
+def test_limited_link_shows_in_the_exchange_time():
+    rate = 20.0  # Mbit/s each way
+    fast = _exchange(None)
+    slow = _exchange(rate)
+    assert fast["message_bytes"] == slow["message_bytes"] == (1 << 20) // 2 + 4
+    floor = slow["message_bytes"] * 8 / (rate * 1e6)  # one message each way
+    t_slow = float(np.median(slow["seconds_per_exchange"]))
+    t_fast = float(np.median(fast["seconds_per_exchange"]))
+    assert t_slow >= 0.9 * floor, (t_slow, floor)
+    assert t_slow >= 3 * t_fast, (t_slow, t_fast)
+    assert "sdw" not in _namespaces()
+
+
+def test_teardown_on_error_and_bad_input():
+    with pytest.raises(RuntimeError, match="boom"):
+        with wan.Wan(2, rate_mbit=50) as net:
+            names = [net.namespace(i) for i in range(2)]
+            assert all(n in _namespaces() for n in names)
+            raise RuntimeError("boom")
+    assert not any(n in _namespaces() for n in names)
+    assert not any((pathlib.Path("/etc/netns") / n).exists() for n in names)
+    for kwargs, field in (
+        ({"num_workers": 0}, "num_workers"),
+        ({"num_workers": 2, "rate_mbit": 0}, "rate_mbit"),
+        ({"num_workers": 2, "delay_ms": -1}, "delay_ms"),
+    ):
+        with pytest.raises(ValueError, match=field):
+            wan.Wan(**kwargs)
