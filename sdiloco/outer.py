@@ -1,16 +1,16 @@
 """The outer step of (Streaming) DiLoCo, restricted to one fragment, and the α-merge.
 
 The outer optimizer is any optax transformation. Its state is kept **separate per
-fragment** (docs/contract.md §1): the leaves that mirror the parameters (momentum, Adam moments) are
-stored once, since fragments are disjoint and a fragment only ever writes its own
-elements, while every other leaf (step counts, schedules' counters) is stacked on a
-leading fragment axis `[P, ...]`, so that an optimizer with a step count counts the
-syncs of that fragment, not global steps.
+fragment** (docs/contract.md §1): the leaves that mirror the parameters (momentum, Adam
+moments) are stored once, since fragments are disjoint and a fragment only ever writes
+its own elements, while every other leaf (step counts, schedules' counters) is stacked
+on a leading fragment axis `[P, ...]`, so that an optimizer with a step count counts
+the syncs of that fragment, not global steps.
 
-The outer optimizer sees the whole parameter tree with the outer gradient zeroed outside
-the fragment, so transforms that reduce over the tree (e.g. clipping by global norm)
-see that fragment alone. Its state must mirror the parameters (true of optax's
-element-wise optimizers; not of factored ones such as adafactor).
+The outer optimizer sees only the fragment's elements (its pieces, gathered by the
+fragment's `inflight.Group`), so transforms that reduce over the tree (e.g. clipping by
+global norm) see that fragment alone. Its state must mirror the parameters (true of
+optax's element-wise optimizers; not of factored ones such as adafactor).
 """
 
 import jax
@@ -19,7 +19,6 @@ import optax
 from jaxtyping import Array, ArrayLike, Bool, Int
 
 from .custom_types import Params
-from .fragments import Fragments
 from .inflight import Group
 
 
@@ -38,60 +37,6 @@ def outer_init(
     )
 
 
-def outer_step(
-    outer: optax.GradientTransformation,
-    fragments: Fragments,
-    p: Int[Array, ""],
-    params: Params,
-    state: optax.OptState,
-    outer_grad: Params,
-) -> tuple[Params, optax.OptState]:
-    """One outer step of fragment p: `θ_g[p], s_p ← OuterOpt(θ_g[p], s_p, Δ̄_p)`.
-
-    Streaming DiLoCo, Alg. 2, l.11 (applied to the global parameters, docs/contract.md §1, step 3).
-    Every element outside fragment p, of the parameters and of the state, is returned
-    bitwise unchanged.
-
-    Args:
-        outer: the outer optimizer.
-        fragments: the partition.
-        p: the fragment (traced).
-        params: the global parameters θ_g (inexact arrays only).
-        state: the per-fragment outer state from `outer_init`.
-        outer_grad: the averaged outer gradient Δ̄ (the fragment's region is used).
-
-    Returns:
-        The new global parameters and outer state.
-    """
-    treedef = jax.tree.structure(params)
-    selected = jnp.arange(fragments.num_fragments) == p
-    mask = jax.tree.unflatten(treedef, fragments.mask(selected))
-    grad = jax.tree.map(
-        lambda d, m, x: jnp.where(m, d, jnp.zeros((), d.dtype)).astype(x.dtype),
-        outer_grad,
-        mask,
-        params,
-    )
-    param_index = _param_index(outer, params, state)
-    leaves, state_def = jax.tree.flatten(state)
-    state_p = jax.tree.unflatten(
-        state_def, [x if i >= 0 else x[p] for x, i in zip(leaves, param_index)]
-    )
-    updates, new_p = outer.update(grad, state_p, params)
-    new_params = jax.tree.map(
-        lambda x, u, m: jnp.where(m, (x + u.astype(x.dtype)).astype(x.dtype), x),
-        params,
-        updates,
-        mask,
-    )
-    mask_leaves = jax.tree.leaves(mask)
-    new_leaves = [
-        jnp.where(mask_leaves[i], n, o) if i >= 0 else o.at[p].set(n)
-        for n, o, i in zip(jax.tree.leaves(new_p), leaves, param_index)
-    ]
-    return new_params, jax.tree.unflatten(state_def, new_leaves)
-
-
 def fragment_outer_step(
     outer: optax.GradientTransformation,
     group: Group,
@@ -103,9 +48,10 @@ def fragment_outer_step(
 ) -> tuple[Params, optax.OptState]:
     """One outer step of fragment p on its elements only (Alg. 2, l.11).
 
-    The same step as `outer_step`, with work proportional to the fragment: the
-    optimizer sees the fragment's pieces (every other leaf an empty array), so it costs
-    the fragment's size, not the model's. Everything outside fragment p, of the
+    The outer optimizer sees the fragment's pieces, every other leaf an empty array, so
+    the step costs the fragment's size, not the model's, and transforms that reduce over
+    the tree (e.g. clipping by global norm) see that fragment alone. Non-parameter state
+    leaves (step counts) are indexed `[p]`: a count counts that fragment's syncs. Everything outside fragment p, of the
     parameters and of the state, is returned bitwise unchanged.
 
     Args:

@@ -15,8 +15,10 @@ module-level pure functions of the state, each testable alone:
    `θ_m ← α·θ_m + (1 − α)·θ_g` on that fragment (l.12).
 
 Replicas live on a leading axis M of the state and of the batch. Which fragment is
-sent, received or merged at t is traced data (masks built from the fragment labels),
-so `eqx.filter_jit(step)` compiles once and serves every step.
+sent, received or merged at t is traced data, so the step compiles once and serves
+every step (`sdiloco.jit_step(alg)`). A sync touches only its fragment's elements, and
+the averaged outer gradient waits in one of the in-flight slots the schedule needs
+(`inflight.py`), so both the work and the memory of a sync scale with the fragment.
 
 Vanilla DiLoCo is `diloco(...)`: the same code with P = 1, τ = 0, α = 0 and no
 compressor. Data-Parallel, which is different maths, is in `data_parallel.py`.

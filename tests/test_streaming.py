@@ -20,7 +20,9 @@ from helpers import (
 from hypothesis import given, settings, strategies as st
 
 import sdiloco
-from sdiloco.outer import merge, outer_init, outer_step
+from sdiloco.inflight import make_layout
+from sdiloco.outer import fragment_outer_step, merge, outer_init
+from sdiloco.schedule import make_schedule
 
 
 M = 3
@@ -42,6 +44,17 @@ def _run(alg, params, batches, key=None):
         history.append(state)
         metrics.append(m)
     return history, metrics
+
+
+def outer_step(outer, frags, p, params, state, grad):
+    """The outer step of fragment p as the library takes it: on the fragment's pieces
+    (`fragment_outer_step`), with `grad` given whole."""
+    layout = make_layout(frags, make_schedule(8, frags.num_fragments, 1))
+    p = int(p)
+    group = layout.groups[layout.group_of[p]]
+    j = jnp.asarray(layout.index_in_group[p])
+    pieces = group.gather(jax.tree.leaves(grad), j)
+    return fragment_outer_step(outer, group, j, jnp.int32(p), params, state, pieces)
 
 
 def _element_masks(frags, selected):
