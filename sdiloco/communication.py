@@ -114,20 +114,6 @@ def average(values: list[Array]) -> list[Array]:
     return out
 
 
-def nonfinite_fragments(fragments: Fragments, leaves: list[Array]) -> Bool[Array, " P"]:
-    """Which fragments hold a non-finite value in `leaves` (one copy of the params)."""
-    bad = jnp.zeros(fragments.num_fragments, jnp.int32)
-    for x, labels in zip(leaves, fragments.labels):
-        finite = jnp.isfinite(x)
-        if labels.ndim == 0:
-            count = jnp.sum(~finite, dtype=jnp.int32)
-            bad = bad.at[int(labels)].add(count)
-        else:
-            count = jnp.sum(~finite.reshape(x.shape[0], -1), axis=1, dtype=jnp.int32)
-            bad = bad.at[jnp.asarray(labels)].add(count)
-    return bad > 0
-
-
 def bits_per_fragment(
     compressor: Compressor | None, fragments: Fragments
 ) -> np.ndarray:
