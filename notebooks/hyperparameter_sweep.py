@@ -40,7 +40,10 @@ from sdiloco.paper import experiments as ex, plotting, tuning
 plotting.style()
 NOTEBOOK = "hyperparameter_sweep"
 FAST = plotting.FAST
-SIZES = ("tiny-xxs",) if FAST else ("tiny-xxs", "tiny-xs")
+# Sizes whose sweep is complete; a larger one is swept with
+# `python -m sdiloco.paper.tuning MODEL` (its trials are recorded as they finish, over
+# as many sessions as it takes) and added here when done.
+SIZES = ("tiny-xxs",)
 REGIME = tuning.Regime(0.5, 4, evals=1, eval_batches=2) if FAST else tuning.Regime()
 SEEDS = (0,)
 
