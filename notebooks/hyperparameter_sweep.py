@@ -43,7 +43,7 @@ FAST = plotting.FAST
 # Sizes whose sweep is complete; a larger one is swept with
 # `python -m sdiloco.paper.tuning MODEL` (its trials are recorded as they finish, over
 # as many sessions as it takes) and added here when done.
-SIZES = ("tiny-xxs",)
+SIZES = ("tiny-xxs",) if FAST else ("tiny-xxs", "tiny-xs")
 REGIME = tuning.Regime(0.5, 4, evals=1, eval_batches=2) if FAST else tuning.Regime()
 SEEDS = (0,)
 

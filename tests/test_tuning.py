@@ -116,3 +116,14 @@ def test_validation_split_is_carved_from_train_and_disjoint():
     heldout = data.load_corpus("heldout").tobytes()
     assert val.tobytes()[:2000] not in heldout
     assert val.tobytes()[:2000] not in tune_.tobytes()
+
+
+def test_paired_gap_is_the_t_interval_of_seed_paired_differences():
+    gap = tuning.paired_gap([1.0, 2.0, 3.0], [1.1, 2.3, 3.2])
+    # d = (0.1, 0.3, 0.2): mean 0.2, sd 0.1, t(0.975, 2 dof) = 4.303.
+    half = 4.303 * 0.1 / np.sqrt(3)
+    assert gap["mean"] == pytest.approx(0.2)
+    assert (gap["low"], gap["high"]) == pytest.approx((0.2 - half, 0.2 + half))
+    assert gap["relative"] == pytest.approx(0.2 / 2.0)
+    with pytest.raises(ValueError, match="2 seed pairs"):
+        tuning.paired_gap([1.0], [1.1])

@@ -253,6 +253,49 @@ def tune(
     return coordinate_search(regime.apply(base), axes, regime=regime, seeds=seeds)
 
 
+def headline(
+    model: str,
+    *,
+    regime: Regime,
+    seeds: Sequence[int] = (0, 1, 2),
+    metric: str = "eval/global",
+) -> dict[str, list[float]]:
+    """Each method at its tuned setting, evaluated on the held-out split, per seed.
+
+    The tuned setting is the protocol's (`tune`, read from its records); only the
+    evaluation split changes (`DataConfig.validation=False`), so training is the same.
+
+    Returns:
+        Method name → the final `metric` of each seed, in `seeds` order.
+    """
+    out = {}
+    for name, preset in PRESETS.items():
+        best = tune(preset, model, regime=regime).best
+        config = best.replace(data={"validation": False})
+        out[name] = [experiments.run_one(name, config, s).final(metric) for s in seeds]
+    return out
+
+
+def paired_gap(base: Sequence[float], other: Sequence[float]) -> dict[str, float]:
+    """Seed-paired `other − base`: mean, 95 % t-interval and the relative mean gap.
+
+    Raises:
+        ValueError: with fewer than two pairs (no interval).
+    """
+    d = np.asarray(other, np.float64) - np.asarray(base, np.float64)
+    if d.size < 2:
+        raise ValueError(f"paired_gap needs >= 2 seed pairs; got {d.size}.")
+    t95 = {2: 12.706, 3: 4.303, 4: 3.182, 5: 2.776, 6: 2.571, 7: 2.447, 8: 2.365}
+    half = t95.get(d.size, 1.96) * d.std(ddof=1) / np.sqrt(d.size)
+    return {
+        "mean": float(d.mean()),
+        "low": float(d.mean() - half),
+        "high": float(d.mean() + half),
+        "relative": float(d.mean() / np.mean(base)),
+        "n": int(d.size),
+    }
+
+
 def get_field(config: Any, path: str) -> Any:
     """The value at a dotted path of a config."""
     for part in path.split("."):
@@ -282,6 +325,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--method", action="append", choices=sorted(PRESETS.values()))
     p.add_argument("--tokens-per-param", type=float, default=20.0)
     p.add_argument("--rounds", type=int, default=50)
+    p.add_argument(
+        "--headline",
+        type=int,
+        metavar="SEEDS",
+        help="then train every method at its tuned setting on the held-out split "
+        "with seeds 0..SEEDS-1 and print the seed-paired gaps to Data-Parallel",
+    )
     args = p.parse_args(argv)
     experiments.enable_compile_cache()
     regime = Regime(args.tokens_per_param, args.rounds)
@@ -291,6 +341,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         search = tune(preset, args.model, regime=regime)
         axes = standard_axes(search.best.method.kind)
         print(name, args.model, search.best_values(axes), flush=True)
+    if args.headline:
+        losses = headline(args.model, regime=regime, seeds=range(args.headline))
+        dp = losses["Data-Parallel"]
+        for name, values in losses.items():
+            gap = paired_gap(dp, values) if name != "Data-Parallel" else None
+            print(name, args.model, [round(v, 4) for v in values], gap, flush=True)
     return 0
 
 
