@@ -157,24 +157,22 @@ class Layout:
     ) -> Any:
         """`carry = fn(group, j, p, carry)` for every selected fragment p, in order.
 
-        One `lax.cond` per fragment (unselected fragments cost nothing) and one branch
-        per group, so the program holds one copy of `fn` per group, not per fragment.
+        A loop over the selected fragments only (usually one), each dispatched to its
+        group's branch: the program holds one copy of `fn` per group, not per
+        fragment, and a step where nothing is selected runs no iteration.
         """
         group_of = jnp.asarray(self.group_of)
         index = jnp.asarray(self.index_in_group)
+        num = len(self.group_of)
+        order = jnp.nonzero(selected, size=num, fill_value=0)[0]
 
-        def body(p, carry):
+        def body(i, carry):
+            p = order[i]
             branches = [lambda c, g=g: fn(g, index[p], p, c) for g in self.groups]
+            return jax.lax.switch(group_of[p], branches, carry)
 
-            def run(c):
-                return jax.lax.switch(group_of[p], branches, c)
-
-            return jax.lax.cond(selected[p], run, lambda c: c, carry)
-
-        def loop(carry):
-            return jax.lax.fori_loop(0, len(self.group_of), body, carry)
-
-        return jax.lax.cond(jnp.any(selected), loop, lambda c: c, carry)
+        count = jnp.sum(selected, dtype=jnp.int32)
+        return jax.lax.fori_loop(0, count, body, carry)
 
 
 def _progression(rows: np.ndarray, length: int) -> tuple[np.ndarray, int | None]:
