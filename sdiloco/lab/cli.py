@@ -35,7 +35,16 @@ def _train(args: argparse.Namespace) -> int:
         return _fail(str(e))
     # Only now, the checks passed: importing the training loop is slow.
     from .checkpoint import CheckpointError
-    from .train import run
+
+    try:
+        from .train import run
+    except ModuleNotFoundError as e:  # the core install, without the lab extra
+        print(
+            f"error: training needs the lab extra ({e.name} is not installed): "
+            "pip install 'sdiloco[lab]'",
+            file=sys.stderr,
+        )
+        return 2
 
     try:
         history = run(
