@@ -259,11 +259,13 @@ def headline(
     regime: Regime,
     seeds: Sequence[int] = (0, 1, 2),
     metric: str = "eval/global",
+    budget: Regime | None = None,
 ) -> dict[str, list[float]]:
     """Each method at its tuned setting, evaluated on the held-out split, per seed.
 
-    The tuned setting is the protocol's (`tune`, read from its records); only the
-    evaluation split changes (`DataConfig.validation=False`), so training is the same.
+    The tuned setting is the protocol's at `regime` (`tune`, read from its records);
+    the evaluation split changes (`DataConfig.validation=False`) and, with a `budget`,
+    so do the steps and H (e.g. 4x the tokens per parameter at the same settings).
 
     Returns:
         Method name → the final `metric` of each seed, in `seeds` order.
@@ -272,6 +274,8 @@ def headline(
     for name, preset in PRESETS.items():
         best = tune(preset, model, regime=regime).best
         config = best.replace(data={"validation": False})
+        if budget is not None:
+            config = budget.apply(config)
         out[name] = [experiments.run_one(name, config, s).final(metric) for s in seeds]
     return out
 
@@ -326,6 +330,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--tokens-per-param", type=float, default=20.0)
     p.add_argument("--rounds", type=int, default=50)
     p.add_argument(
+        "--headline-tokens-per-param",
+        type=float,
+        help="train the headline runs at this budget instead (same tuned settings)",
+    )
+    p.add_argument(
         "--headline",
         type=int,
         metavar="SEEDS",
@@ -342,7 +351,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         axes = standard_axes(search.best.method.kind)
         print(name, args.model, search.best_values(axes), flush=True)
     if args.headline:
-        losses = headline(args.model, regime=regime, seeds=range(args.headline))
+        budget = None
+        if args.headline_tokens_per_param is not None:
+            budget = Regime(args.headline_tokens_per_param, args.rounds)
+        losses = headline(
+            args.model, regime=regime, seeds=range(args.headline), budget=budget
+        )
         dp = losses["Data-Parallel"]
         for name, values in losses.items():
             gap = paired_gap(dp, values) if name != "Data-Parallel" else None
