@@ -122,7 +122,7 @@ def random_batches(
 def jit_step(step: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
     """`step(state, batch)` jitted once with the state donated, as `sdiloco.jit_step`
     runs it, under the standard dtype promotion optax's Adam needs."""
-    f = sdiloco.jit_step(sdiloco.Algorithm(None, step, None, 0))
+    f = sdiloco.jit_step(step)
 
     def run(state, batch):
         with jax.numpy_dtype_promotion("standard"):

@@ -91,8 +91,10 @@ class Algorithm(NamedTuple):
     spec: Any = None
 
 
-def jit_step(algorithm: Algorithm) -> Callable[[Any, Batch], tuple[Any, Metrics]]:
-    """`algorithm.step`, compiled once, with the state donated (updated in place).
+def jit_step(
+    algorithm: Algorithm | Callable[[Any, Batch], tuple[Any, Metrics]],
+) -> Callable[[Any, Batch], tuple[Any, Metrics]]:
+    """`algorithm.step` (or a step function), compiled once, with the state donated.
 
     The one way to run a step fast: `step = sdiloco.jit_step(alg)`, then
     `state, metrics = step(state, batch)`. The state passed in is consumed (its
@@ -100,8 +102,9 @@ def jit_step(algorithm: Algorithm) -> Callable[[Any, Batch], tuple[Any, Metrics]
     donated. The first call copies the state's arrays, since `init` keeps the
     parameters it was given as θ_g and the caller may still hold them.
     """
+    fn = algorithm.step if isinstance(algorithm, Algorithm) else algorithm
     jitted = eqx.filter_jit(
-        lambda batch, state: algorithm.step(state, batch), donate="all-except-first"
+        lambda batch, state: fn(state, batch), donate="all-except-first"
     )
     copied = False
 

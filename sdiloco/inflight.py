@@ -149,6 +149,20 @@ class Layout:
     num_slots: int
     slot_size: int
 
+    def read(self, slots: Array, group: Group, p: Int[ArrayLike, ""]) -> list[Array]:
+        """Fragment p's pieces from its in-flight slot (`slots` is `[K, slot_size]`)."""
+        k = jnp.asarray(self.slot_of)[p]
+        row = jax.lax.dynamic_slice(slots, (k, 0 * k), (1, group.size))
+        return group.unflatten(row[0])
+
+    def write(
+        self, slots: Array, group: Group, p: Int[ArrayLike, ""], pieces: list[Array]
+    ) -> Array:
+        """`slots` with fragment p's pieces stored in its in-flight slot."""
+        k = jnp.asarray(self.slot_of)[p]
+        row = group.flatten(pieces).astype(slots.dtype)[None]
+        return jax.lax.dynamic_update_slice(slots, row, (k, 0 * k))
+
     def for_each(
         self,
         selected: Bool[Array, " P"],
@@ -209,7 +223,7 @@ def make_layout(fragments: Fragments, schedule: Schedule) -> Layout:
             elif np.any(labels == p):
                 sig.append((i, int(np.sum(labels == p))))
         signatures.setdefault(tuple(sig), []).append(p)
-    groups, group_of, index_in = [], np.zeros(fragments.num_fragments, np.int32), None
+    groups, group_of = [], np.zeros(fragments.num_fragments, np.int32)
     index_in = np.zeros(fragments.num_fragments, np.int32)
     for g, (sig, members) in enumerate(signatures.items()):
         rows, shapes = [], []

@@ -341,7 +341,6 @@ def send(
     g_leaves = _leaves(state.global_params)
     r_leaves = _leaves(state.replica_params)
     layout = spec.layout_of(eqx.filter(state.global_params, eqx.is_inexact_array))
-    slot_of = jnp.asarray(layout.slot_of)
 
     def one(group, j, p, carry):
         slots, ok, residual = carry
@@ -354,10 +353,8 @@ def send(
         mean, recon = spec.exchange(
             spec.compressor, group.piece_fragments(), deltas, key, jnp.ones(1, bool)
         )
-        vector = group.flatten(mean).astype(slots.dtype)
-        slot = slot_of[p]
-        slots = jax.lax.dynamic_update_slice(slots, vector[None], (slot, 0 * slot))
-        ok = ok.at[p].set(jnp.all(jnp.isfinite(vector)))
+        slots = layout.write(slots, group, p, mean)
+        ok = ok.at[p].set(jnp.all(jnp.stack([jnp.all(jnp.isfinite(m)) for m in mean])))
         if residual is not None:
             errors = [d - q for d, q in zip(deltas, recon)]
             residual = group.scatter(residual, j, errors, axis=1)
@@ -400,12 +397,9 @@ def outer_update(
             g_arrays, jnp.any(failed), "non-finite outer gradient (nonfinite='raise')"
         )
     layout = spec.layout_of(g_arrays)
-    slot_of = jnp.asarray(layout.slot_of)
 
     def one(group, j, p, carry):
-        k = slot_of[p]
-        slot = jax.lax.dynamic_slice(state.inflight, (k, 0 * k), (1, group.size))
-        grad = group.unflatten(slot[0])
+        grad = layout.read(state.inflight, group, p)
         return fragment_outer_step(spec.outer, group, j, p, *carry, grad)
 
     g_arrays, outer_state = layout.for_each(applied, one, (g_arrays, state.outer_state))
@@ -461,14 +455,11 @@ def inflight_outer_gradients(spec: StreamingSpec, state: StreamingState) -> Para
     arrays = eqx.filter(state.global_params, eqx.is_inexact_array)
     leaves, treedef = jax.tree.flatten(arrays)
     layout = spec.layout_of(arrays)
-    slot_of = jnp.asarray(layout.slot_of)
     tau = min(spec.schedule.overlap)
     in_flight = (state.sent_at != NEVER) & (state.step < state.sent_at + tau)
 
     def one(group, j, p, out):
-        k = slot_of[p]
-        slot = jax.lax.dynamic_slice(state.inflight, (k, 0 * k), (1, group.size))
-        return group.scatter(out, j, group.unflatten(slot[0]))
+        return group.scatter(out, j, layout.read(state.inflight, group, p))
 
     out = [jnp.zeros(x.shape, state.inflight.dtype) for x in leaves]
     return jax.tree.unflatten(treedef, layout.for_each(in_flight, one, out))

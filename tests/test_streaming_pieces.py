@@ -226,3 +226,23 @@ def test_stochastic_compressor_needs_a_key():
     with pytest.raises(ValueError, match="key"):
         alg.init(params)
     alg.init(params, jr.key(0))  # with a key it builds
+
+
+def test_jit_step_donates_the_state_and_takes_an_algorithm_or_a_step():
+    params = {"a": jnp.ones(2), "b": jnp.ones((2, 2))}
+    alg = sdiloco.data_parallel(
+        lambda p, b: jnp.sum((p["a"] @ p["b"][0]) * b["x"][0]),
+        inner=optax.sgd(0.1),
+        num_replicas=2,
+    )
+    batch = {"x": jnp.ones((2, 2))}
+    results = []
+    for arg in (alg, alg.step):
+        step = sdiloco.jit_step(arg)
+        s0 = alg.init(params)
+        s1, _ = step(s0, batch)  # the first call copies: the caller's params survive
+        assert not params["a"].is_deleted()
+        s2, _ = step(s1, batch)  # later calls reuse the state's buffers
+        assert s1.global_params["a"].is_deleted()
+        results.append(s2.global_params)
+    assert all(bool(jnp.all(x == y)) for x, y in zip(*map(jax.tree.leaves, results)))

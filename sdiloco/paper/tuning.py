@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from ..lab import model as model_lib
-from ..lab.config import RunConfig
+from ..lab.config import RunConfig, preset as make_preset
 from . import experiments
 
 
@@ -246,8 +246,6 @@ def tune(
 ) -> Search:
     """The protocol for one method and model size: `coordinate_search` of
     `standard_axes` from the preset's defaults, on the validation split."""
-    from ..lab.config import preset as make_preset
-
     base = make_preset(preset, model=model, data={"validation": True})
     axes = standard_axes(base.method.kind) if axes is None else axes
     return coordinate_search(regime.apply(base), axes, regime=regime, seeds=seeds)
