@@ -33,7 +33,7 @@ def _save_init(directory, cfg):
     """Write the initial state of `cfg` as a checkpoint at step 0 (no training)."""
     r = build(cfg)
     ckpt = Checkpointer(directory, cfg.to_json())
-    ckpt.save(0, r.init_state(), r.iterators(), {"rows": [], "evals": []})
+    ckpt.save(0, r.init_state(), {"rows": [], "evals": []})
     ckpt.close()
 
 
@@ -53,7 +53,7 @@ def test_restore_into_other_model_shape_names_the_leaf(tmp_path):
     ckpt = Checkpointer(tmp_path, small.to_json())
     want = r"does not match.*blocks\.attn\.w_k: float32\[6,16,1,16\] vs float32\[6,32,2,16\]"
     with pytest.raises(CheckpointError, match=want):
-        ckpt.restore(build(big).init_state(), [])
+        ckpt.restore(build(big).init_state())
     ckpt.close()
 
 
@@ -61,16 +61,16 @@ def test_restore_with_other_dtype_is_refused(tmp_path):
     # orbax would silently cast float32 to bfloat16; the check refuses it instead.
     saved = {"w": jnp.zeros((3,), jnp.float32), "n": jnp.zeros((), jnp.int32)}
     ckpt = Checkpointer(tmp_path, "{}")
-    ckpt.save(1, saved, [], {})
+    ckpt.save(1, saved, {})
     with pytest.raises(CheckpointError, match=r"w: float32\[3\] vs bfloat16\[3\]"):
-        ckpt.restore({**saved, "w": saved["w"].astype(jnp.bfloat16)}, [])
+        ckpt.restore({**saved, "w": saved["w"].astype(jnp.bfloat16)})
     with pytest.raises(CheckpointError, match=r"w: float32\[3\] vs float32\[4\]"):
-        ckpt.restore({**saved, "w": jnp.zeros((4,), jnp.float32)}, [])
+        ckpt.restore({**saved, "w": jnp.zeros((4,), jnp.float32)})
     with pytest.raises(CheckpointError, match=r"only in the checkpoint: \['n'\]"):
-        ckpt.restore({"w": saved["w"]}, [])
+        ckpt.restore({"w": saved["w"]})
     extra = {**saved, "v": saved["w"]}
     with pytest.raises(CheckpointError, match=r"missing from the checkpoint: \['v'\]"):
-        ckpt.restore(extra, [])
-    state, meta = ckpt.restore(saved, [])
+        ckpt.restore(extra)
+    state, meta = ckpt.restore(saved)
     assert state["w"].dtype == jnp.float32 and meta == {}
     ckpt.close()

@@ -14,7 +14,6 @@ program; an all-gather moves bytes exactly).
 """
 
 import contextlib
-import dataclasses
 import math
 import os
 import pathlib
@@ -46,7 +45,6 @@ from jax.sharding import PartitionSpec
 
 import sdiloco
 from sdiloco import communication, distributed
-from sdiloco.lab import launch
 
 
 M = 4
@@ -218,7 +216,7 @@ def sharded_run():
         alg=alg,
         ref=(ref_state, ref_metrics),
         sharded=(state, metrics),
-        text=compiled.compiled.as_text(),
+        text=compiled.as_text(),
     )
 
 
@@ -277,7 +275,7 @@ def test_data_parallel_sharded_all_reduces_gradients():
     assert tree_allclose(_host(state), _host(ref_state), **TOL)
     reduced = {
         c.shape
-        for c in distributed.collectives(compiled.compiled.as_text())
+        for c in distributed.collectives(compiled.as_text())
         if c.kind == "all-reduce" and c.dtype == "f32"
     }
     assert {x.shape for x in jax.tree.leaves(params)} <= reduced
@@ -296,10 +294,14 @@ def test_bad_input():
         distributed.shard_batch({"x": np.zeros((2, 3))}, mesh, M)
     with pytest.raises(ValueError, match="do not fit"):
         distributed.unpack4(jnp.zeros((2,), jnp.uint8), 5)
-    with pytest.raises(ValueError, match="compressor"):
-        launch.LaunchConfig(compressor="e9m9")
-    with pytest.raises(ValueError, match="steps"):
-        launch.LaunchConfig(steps=0)
+    with pytest.raises(ValueError, match=r"data \(devices per replica\)=3"):
+        distributed.replica_mesh(2, data=3)
+    with pytest.raises(ValueError, match="multiple of the 4 replica-axis rows"):
+        distributed.replica_mesh(2, data=1)
+    with pytest.raises(ValueError, match="not a multiple of the 2 devices per replica"):
+        distributed.shard_batch(
+            {"x": np.zeros((2, 3))}, distributed.replica_mesh(2, data=2), 2
+        )
 
 
 def test_process_replicas_single_process():
@@ -385,54 +387,3 @@ def test_two_processes_equal_single_process(tmp_path):
         # ...and, within float32 rounding, the vmapped single-device simulation.
         np.testing.assert_allclose(got[k], simulated[k], **TOL)
     assert not np.allclose(got["['v']"], np.asarray(params["v"]))
-
-
-@pytest.mark.multiprocess
-def test_launch_two_processes(tmp_path):
-    # The documented entry point on a small transformer. Compiling its step takes
-    # ~30 s per process on two shared CPU cores.
-    config = launch.LaunchConfig(
-        seq_len=16,
-        num_layers=2,
-        width=16,
-        global_batch_size=4,
-        steps=4,
-        sync_every=2,
-        layers_per_fragment=1,
-        num_replicas=2,
-    )
-    flags = [
-        f"--{f.name.replace('_', '-')}={getattr(config, f.name)}"
-        for f in dataclasses.fields(config)
-        if getattr(config, f.name) != f.default
-    ]
-    port = free_port()
-    out = tmp_path / "params.npz"
-    deadline = time.monotonic() + 500
-    procs = _start(
-        lambda i: [
-            "-m",
-            "sdiloco.lab.launch",
-            f"--coordinator=127.0.0.1:{port}",
-            "--num-processes=2",
-            f"--process-id={i}",
-            f"--out={out}",
-            *flags,
-        ]
-    )
-    try:
-        with jax.numpy_dtype_promotion("standard"), jax.numpy_rank_promotion("allow"):
-            ref = launch.run(config)  # the vmapped simulation, while they run
-        outputs = _wait(procs, deadline)
-    finally:
-        _kill(procs)
-    lines = [line for text in outputs for line in text.splitlines()]
-    digests = {line.split()[-1] for line in lines if "final_params_sha256" in line}
-    assert len(digests) == 1  # both processes end with the same θ_g
-    wire = [line for line in lines if "bytes per fragment on the wire" in line]
-    assert len(wire) == 2, lines
-    got = dict(np.load(out))
-    expected = launch.flat_params(ref.global_params)
-    assert got.keys() == expected.keys()
-    for k in got:
-        np.testing.assert_allclose(got[k], expected[k], rtol=1e-4, atol=1e-5)

@@ -93,15 +93,15 @@ def test_bad_checkpoints(tmp_path):
         run(cfg.replace(seed=1), tmp_path, progress=False)
     assert (tmp_path / "config.json").read_text() == cfg.to_json()  # left as it was
     # A partial checkpoint: refused, naming the missing item.
-    shutil.rmtree(ckpt / "4" / "data_1")
-    with pytest.raises(CheckpointError, match="partial.*data_1"):
+    shutil.rmtree(ckpt / "4" / "meta")
+    with pytest.raises(CheckpointError, match="partial.*meta"):
         run(cfg, tmp_path, progress=False)
     # No checkpoint at all where one is asked for.
     checkpointer = sdiloco.lab.checkpoint.Checkpointer(
         tmp_path / "empty", cfg.to_json()
     )
     with pytest.raises(CheckpointError, match="no checkpoint"):
-        checkpointer.restore(None, [])
+        checkpointer.restore(None)
 
 
 @pytest.mark.integration

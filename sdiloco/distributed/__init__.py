@@ -11,11 +11,14 @@ One concept per module:
 from .exchange import sharded_exchange as sharded_exchange
 from .hlo import (
     Collective as Collective,
+    by_axis as by_axis,
     collectives as collectives,
     wire_bytes as wire_bytes,
 )
 from .mesh import (
     AXIS as AXIS,
+    DATA as DATA,
+    batch_sharding as batch_sharding,
     process_replicas as process_replicas,
     replica_mesh as replica_mesh,
     shard_batch as shard_batch,

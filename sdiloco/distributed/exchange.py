@@ -42,7 +42,7 @@ from jaxtyping import Array, Bool, PRNGKeyArray
 from .. import communication
 from ..compression import Compressor
 from ..fragments import Fragments
-from .mesh import AXIS
+from .mesh import AXIS, DATA
 from .wire import Wire
 
 
@@ -96,7 +96,12 @@ def sharded_exchange(mesh: Mesh) -> Callable[..., tuple[list[Array], list[Array]
             for p in range(fragments.num_fragments)
         ]
         local = ft.partial(
-            _exchange_local, wires, fragments, num_replicas, sent is None
+            _exchange_local,
+            wires,
+            fragments,
+            num_replicas,
+            sent is None,
+            mesh.shape[DATA],
         )
         split, whole = PartitionSpec(AXIS), PartitionSpec()
         flags = jnp.ones((), bool) if sent is None else sent
@@ -114,7 +119,7 @@ def sharded_exchange(mesh: Mesh) -> Callable[..., tuple[list[Array], list[Array]
 # ----------------------------------------------------------------------------- helpers
 
 
-def _exchange_local(wires, fragments, num_replicas, send_all, deltas, keys, sent):
+def _exchange_local(wires, fragments, num_replicas, send_all, data, deltas, keys, sent):
     """Per device: encode local replicas, all-gather, decode all, average (Alg. 2 l.8)."""
     local = deltas[0].shape[0]
 
@@ -122,9 +127,8 @@ def _exchange_local(wires, fragments, num_replicas, send_all, deltas, keys, sent
         wire = wires[p]
         name = fragments.names[p] if fragments.names else str(p)
         with jax.named_scope(f"sdiloco_fragment_{name}"):
-            message = jax.vmap(wire.encode)(deltas, keys)  # [local, bytes]
-            messages = jax.lax.all_gather(message, AXIS, axis=0, tiled=True)  # [M, B]
-            return jax.vmap(wire.decode)(messages)  # per group [M, ...]
+            message = jax.vmap(wire.encode)(deltas, keys)  # [local, B]
+            return jax.vmap(wire.decode)(_gather(message, data))  # per group [M, ...]
 
     def skip(p, deltas, keys):
         del deltas, keys
@@ -148,6 +152,27 @@ def _exchange_local(wires, fragments, num_replicas, send_all, deltas, keys, sent
     start = jax.lax.axis_index(AXIS) * local
     own = [jax.lax.dynamic_slice_in_dim(r, start, local, axis=0) for r in recon]
     return mean, own
+
+
+def _gather(message: Array, data: int) -> Array:
+    """Every replica's message, `[M, B]`, from this device's replicas' `[local, B]`.
+
+    With one device per replica (D = 1), one all-gather over `"replica"`. With an island
+    of D devices per replica, each device sends only its `1/D` share of the (padded)
+    message across `"replica"`, and the island then all-gathers the shares over
+    `"data"`: the slow axis carries each message once, not D times.
+    """
+    if data == 1:
+        return jax.lax.all_gather(message, AXIS, axis=0, tiled=True)
+    size = message.shape[1]
+    share = -(-size // data)
+    message = jnp.pad(message, ((0, 0), (0, share * data - size)))
+    mine = jax.lax.dynamic_slice_in_dim(
+        message, jax.lax.axis_index(DATA) * share, share, axis=1
+    )
+    shares = jax.lax.all_gather(mine, AXIS, axis=0, tiled=True)  # [M, B / D]
+    whole = jax.lax.all_gather(shares, DATA, axis=1, tiled=True)  # [M, B]
+    return whole[:, :size]
 
 
 def _assemble(wires, fragments, pieces) -> list[Array]:

@@ -9,7 +9,9 @@ tests and benchmarks can check the bytes on the wire against
 
 import math
 import re
-from typing import NamedTuple
+from typing import Any, NamedTuple
+
+import numpy as np
 
 
 class Collective(NamedTuple):
@@ -21,6 +23,7 @@ class Collective(NamedTuple):
     group_size: int  # devices taking part
     bytes_per_device: int  # what one device contributes: its operand's bytes
     op_name: str  # the JAX name stack of the op (e.g. ".../sdiloco_fragment_1/...")
+    axes: tuple[str, ...] | None = None  # the mesh axes its groups span (given a mesh)
 
 
 _COLLECTIVE = re.compile(
@@ -46,11 +49,16 @@ _ITEMSIZE = {
 }
 
 
-def collectives(hlo_text: str) -> list[Collective]:
+def collectives(hlo_text: str, mesh: Any = None) -> list[Collective]:
     """The collectives of a compiled XLA program and the bytes each device sends.
 
     Args:
         hlo_text: `jax.jit(f).lower(...).compile().as_text()`.
+        mesh: the `jax.sharding.Mesh` the program was compiled for; when given, each
+            collective's `axes` names the mesh axes its device groups span (a group's
+            devices differ along exactly those axes), e.g. `("replica",)` for the
+            exchange's all-gather and `("data",)` for a gradient all-reduce inside an
+            island.
 
     Returns:
         One `Collective` per array a collective instruction produces (a combined
@@ -64,7 +72,9 @@ def collectives(hlo_text: str) -> list[Collective]:
         match = _COLLECTIVE.search(line)
         if not match:
             continue
-        size = _group_size(line)
+        groups = _groups(line)
+        size = len(groups[0]) if groups else 1
+        axes = None if mesh is None else _axes(groups, mesh)
         name = re.search(r'op_name="([^"]*)"', line)
         for array in _ARRAY.finditer(match["result"]):
             shape = tuple(int(s) for s in array["shape"].split(",") if s)
@@ -79,48 +89,100 @@ def collectives(hlo_text: str) -> list[Collective]:
                     size,
                     nbytes,
                     name[1] if name else "",
+                    axes,
                 )
             )
     return out
 
 
-def wire_bytes(hlo_text: str, num_replicas: int) -> dict[int, int]:
+def by_axis(hlo_text: str, mesh: Any) -> dict[tuple[str, ...], dict[str, int]]:
+    """Bytes each device sends per step, by the mesh axes a collective spans and kind.
+
+    Every collective of the program counts once (those in `lax.cond` branches too, as
+    if every branch ran), so for a Streaming step this is the bytes of a step in which
+    every fragment is sent.
+
+    Returns:
+        `{axes: {kind: bytes per device}}`, e.g.
+        `{("data",): {"all-reduce": ...}, ("replica",): {"all-gather": ...}}`.
+    """
+    out: dict[tuple[str, ...], dict[str, int]] = {}
+    for c in collectives(hlo_text, mesh):
+        per_kind = out.setdefault(c.axes or (), {})
+        per_kind[c.kind] = per_kind.get(c.kind, 0) + c.bytes_per_device
+    return out
+
+
+def wire_bytes(hlo_text: str, num_replicas: int, mesh: Any = None) -> dict[int, int]:
     """Bytes one replica sends to sync each fragment, read off a compiled step.
 
     Args:
         hlo_text: the compiled program of a step using `sharded_exchange`.
         num_replicas: M.
+        mesh: the mesh it was compiled for; needed when the mesh has a `"data"` axis
+            of size D > 1, where each of a replica's D devices sends `1/D` of its
+            message across `"replica"` and the island re-assembles it over `"data"`.
 
     Returns:
-        `{fragment: bytes of one replica's message}`, from the all-gathers that
-        `sharded_exchange` emits under the scope `sdiloco_fragment_<p>`, or
-        `sdiloco_fragment_<p>_<q>...` when one compiled branch of a Streaming step
-        serves fragments p, q, ... (each sends a message of that size).
+        `{fragment: bytes of one replica's message across the replica axis}`, from the
+        all-gathers that `sharded_exchange` emits under the scope
+        `sdiloco_fragment_<p>`, or `sdiloco_fragment_<p>_<q>...` when one compiled
+        branch of a Streaming step serves fragments p, q, ... (each sends a message of
+        that size).
     """
+    data = 1 if mesh is None else dict(mesh.shape).get("data", 1)
     out = {}
-    for c in collectives(hlo_text):
+    for c in collectives(hlo_text, mesh):
         match = re.search(r"sdiloco_fragment_([\d_]+)", c.op_name)
-        if c.kind == "all-gather" and match:
-            size = math.prod(c.shape) // num_replicas
-            out.update({int(p): size for p in match[1].split("_") if p})
+        if c.kind != "all-gather" or not match:
+            continue
+        if mesh is not None and c.axes != ("replica",):
+            continue  # the island's re-assembly, not the wide-area bytes
+        size = math.prod(c.shape) // num_replicas * data
+        out.update({int(p): size for p in match[1].split("_") if p})
     return out
 
 
 # ----------------------------------------------------------------------------- helpers
 
 
-def _group_size(line: str) -> int:
-    """Devices per replica group of an HLO collective (1 if it cannot be read)."""
-    groups = re.search(
-        r"replica_groups=(\{\{[\d,]*\}|\[[\d,]*\]|mesh\[[^\]]*\] \{[^}]*\})", line
+def _groups(line: str) -> list[list[int]] | None:
+    """The device groups of an HLO collective, or None if it names none."""
+    explicit = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", line)
+    if explicit:
+        return [
+            [int(i) for i in g.split(",") if i]
+            for g in re.findall(r"\{([\d,]*)\}", explicit[1])
+        ]
+    iota = re.search(
+        r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line
     )
+    if iota:
+        shape = [int(s) for s in iota[1].split(",")]
+        dims = [int(s) for s in iota[2].split(",")]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if iota[3]:
+            ids = ids.transpose([int(s) for s in iota[3].split(",")])
+        return ids.reshape(shape[0], -1).tolist()
+    named = re.search(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}", line)
+    if named:  # mesh['axis_0'=2,'axis_1'=2] {'axis_0'}: groups along the named axes
+        sizes = dict(re.findall(r"'([^']+)'=(\d+)", named[1]))
+        names = list(sizes)
+        used = [names.index(a) for a in re.findall(r"'([^']+)'", named[2])]
+        ids = np.arange(math.prod(int(s) for s in sizes.values()))
+        ids = ids.reshape([int(s) for s in sizes.values()])
+        rest = [i for i in range(len(names)) if i not in used]
+        size = math.prod(ids.shape[i] for i in used)
+        return ids.transpose(rest + used).reshape(-1, size).tolist()
+    return None
+
+
+def _axes(groups: list[list[int]] | None, mesh: Any) -> tuple[str, ...]:
+    """The mesh axes along which the devices of a group differ."""
     if not groups:
-        return 1
-    text = groups[1]
-    if text.startswith("{{"):  # explicit groups: {{0,1,2,3},...}
-        return len(text[2:-1].split(","))
-    if text.startswith("["):  # iota groups: [num_groups,group_size]<=[...]
-        return int(text[1:-1].split(",")[-1])
-    sizes = dict(re.findall(r"'([^']+)'=(\d+)", text))  # mesh['a'=4] {'a'}
-    used = re.findall(r"'([^']+)'", text.split("{", 1)[1])
-    return math.prod(int(sizes[a]) for a in used)
+        return ()
+    shape = tuple(mesh.devices.shape)
+    coords = np.array(np.unravel_index(np.asarray(groups[0]), shape))  # [axes, n]
+    return tuple(
+        name for name, c in zip(mesh.axis_names, coords) if len(set(c.tolist())) > 1
+    )

@@ -2,13 +2,25 @@
 
 The library simulates the M replicas on one device: every replica leaf of the state and
 every batch leaf has a leading axis M, and the inner step is vmapped over it. This
-package runs **the same `init` and `step`** with that axis sharded over a mesh axis
-`"replica"` spanning the devices of one process or of many (JAX's multi-controller
-runtime, `jax.distributed`): nothing is re-implemented, only placed.
+package runs **the same `init` and `step`** with that axis sharded over a mesh of the
+devices of one process or of many (JAX's multi-controller runtime, `jax.distributed`):
+nothing is re-implemented, only placed.
 
-- `replica_mesh(M)` builds the mesh; `shard_state` / `shard_batch` place the state and
-  the batch (replica leaves `P("replica")`, everything else replicated); `sharded_step`
-  jits a step so that the state keeps that layout from step to step.
+The mesh has two axes, `("replica", "data")`:
+
+- `"replica"` (size R, M a multiple of R) carries the replicas: the replica leaves of the
+  state (`P("replica")`) and the batch's leading axis. Its only collective is the
+  exchange's all-gather of the packed low-bit messages (`sharded_exchange`); this is the
+  slow, wide-area axis of the paper.
+- `"data"` (size D) spreads each replica over an island of D devices: the replica's
+  batch is split over them (`P("replica", "data")`), so the inner step's gradient mean
+  becomes an all-reduce inside the island only. With `fsdp=True` the replica's
+  parameters and inner optimizer state are also split over `"data"` (their largest
+  divisible axis), which is what lets a large model fit.
+
+- `replica_mesh(M, devices, data=D)` builds the mesh; `shard_state` / `shard_batch`
+  place the state and the batch; `sharded_step` jits a step so that the state keeps
+  that layout from step to step.
 - Data-Parallel needs nothing special: with the batch sharded and the parameters
   replicated, XLA turns its mean of the per-replica gradients into an all-reduce.
 - Streaming DiLoCo also needs its exchange written per replica:
@@ -17,14 +29,15 @@ runtime, `jax.distributed`): nothing is re-implemented, only placed.
 Numerics, compared with the vmapped simulation (`tests/test_distributed.py`):
 
 - a whole step is not bitwise: XLA:CPU compiles the per-device program (an
-  `[M/D, ...]` slice of the replica axis; a size-1 axis is squeezed away) with other dot
-  kernels and operand layouts than the `[M, ...]` program, so the inner step differs
-  by float32 rounding (a few ulp per step; measured ≤ 1e-7 after 10 steps of the
-  toy model, 4e-5 after 6 steps of a 6-layer transformer, where Adam's normalisation
-  amplifies ulp-level gradient differences). A quantization code can then differ where a
-  value sits within that distance of a rounding boundary;
+  `[M/R, ...]` slice of the replica axis, a size-1 axis squeezed away, a `1/D` slice
+  of the batch) with other dot kernels, operand layouts and reduction orders than the
+  `[M, ...]` program, so the inner step differs by float32 rounding (a few ulp per
+  step; measured ≤ 1e-7 after 10 steps of the toy model, 4e-5 after 6 steps of a
+  6-layer transformer, where Adam's normalisation amplifies ulp-level gradient
+  differences). A quantization code can then differ where a value sits within that
+  distance of a rounding boundary;
 - the global parameters and the outer optimizer are replicated computations; two
-  processes give bitwise the results of one process with the same devices per replica.
+  processes give bitwise the results of one process with the same mesh.
 """
 
 from collections.abc import Callable
@@ -41,45 +54,61 @@ from ..custom_types import Batch
 
 
 AXIS = "replica"
-"""Name of the mesh axis the replicas are sharded over."""
+"""Name of the mesh axis the replicas are sharded over (the wide-area axis)."""
+
+DATA = "data"
+"""Name of the mesh axis that spreads one replica over its island's devices."""
 
 
-def replica_mesh(num_replicas: int, devices: Any = None) -> Mesh:
-    """A one-axis mesh `("replica",)` over `devices`, for M replicas.
+def replica_mesh(
+    num_replicas: int, devices: Any = None, *, data: int | None = None
+) -> Mesh:
+    """A mesh `("replica", "data")` over `devices`, for M replicas.
 
-    Every device holds `M / len(devices)` replicas. The axis type is `Auto` (classic
-    sharding propagation), so the unchanged library code, written for a leading M axis,
-    is partitioned by XLA; only the exchange is written per replica (`shard_map`).
-    Devices are ordered by process, so each process owns a contiguous block of
-    replicas (see `process_replicas`).
-
-    On a cluster, use one replica per island (host or slice) and pass the devices that
-    carry the replica axis; devices inside a replica could carry a second mesh axis for
-    data or FSDP sharding of the inner step (not built here).
+    The devices are ordered by process, then id, and laid out row by row: a row of D
+    consecutive devices is one island holding M / R replicas, so an island stays
+    inside one process whenever a process has D devices or a multiple. The axis types
+    are `Auto` (classic sharding propagation), so the unchanged library code, written
+    for a leading M axis, is partitioned by XLA; only the exchange is written per
+    replica (`shard_map`).
 
     Args:
-        num_replicas: M >= 1; must be a multiple of the number of devices.
-        devices: the devices of the axis; default every global device
-            (`jax.devices()`, all processes).
+        num_replicas: M >= 1.
+        devices: the devices of the mesh; default every global device (`jax.devices()`,
+            all processes).
+        data: D, devices per island (the `"data"` axis). Default: `len(devices) / M`
+            when M divides the number of devices (each replica spread over its own
+            island), else 1 (every device holds `M / len(devices)` whole replicas).
 
     Returns:
-        The mesh.
+        The mesh, of shape `(R, D)` with `R * D = len(devices)` and M a multiple of R.
 
     Raises:
-        ValueError: if M is not a positive multiple of the number of devices.
+        ValueError: if M, D and the number of devices do not fit together (the message
+            names the value and what is allowed).
     """
     devices = list(jax.devices() if devices is None else devices)
     devices.sort(key=lambda d: (d.process_index, d.id))
-    if (
-        not isinstance(num_replicas, int)
-        or num_replicas < 1
-        or num_replicas % len(devices)
-    ):
+    n = len(devices)
+    if not _is_pos_int(num_replicas):
+        raise ValueError(f"num_replicas (M)={num_replicas!r} must be an int >= 1.")
+    if data is None:
+        data = n // num_replicas if n % num_replicas == 0 else 1
+    if not _is_pos_int(data) or n % data:
         raise ValueError(
-            f"num_replicas (M)={num_replicas!r} must be a positive multiple of the "
-            f"number of devices {len(devices)}; pass devices=... to use fewer."
+            f"data (devices per replica)={data!r} must be a positive divisor of the "
+            f"number of devices {n}."
         )
-    return Mesh(np.array(devices), (AXIS,), axis_types=(AxisType.Auto,))
+    rows = n // data
+    if num_replicas % rows:
+        raise ValueError(
+            f"num_replicas (M)={num_replicas} must be a multiple of the {rows} "
+            f"replica-axis rows of {n} devices with data={data} devices per replica; "
+            f"allowed: data such that M is a multiple of {n} / data, or pass "
+            "devices=... to use fewer devices."
+        )
+    grid = np.array(devices, dtype=object).reshape(rows, data)
+    return Mesh(grid, (AXIS, DATA), axis_types=(AxisType.Auto, AxisType.Auto))
 
 
 def process_replicas(mesh: Mesh, num_replicas: int) -> list[int]:
@@ -98,13 +127,15 @@ def process_replicas(mesh: Mesh, num_replicas: int) -> list[int]:
     return sorted(out)
 
 
-def state_shardings(state: Any, mesh: Mesh) -> Any:
-    """The sharding of every array leaf of a state: `P("replica")` or replicated.
+def state_shardings(state: Any, mesh: Mesh, *, fsdp: bool = False) -> Any:
+    """The sharding of every array leaf of a state.
 
     The leaves of the fields the state declares in `replica_fields` (e.g.
     `replica_params`, `inner_state`, `residual` of a `StreamingState`) are split along
-    their leading axis M; everything else (θ_g, the outer state, the in-flight buffer,
-    step counters, all of a `DataParallelState`) is replicated on every device.
+    their leading axis M over `"replica"`; with `fsdp`, each is also split over
+    `"data"` along its largest other axis that D divides (none: kept whole in the
+    island). Everything else (θ_g, the outer state, the in-flight slots, step counters,
+    all of a `DataParallelState`) is replicated on every device.
 
     Raises:
         ValueError: for a state that does not declare its `replica_fields`.
@@ -116,13 +147,22 @@ def state_shardings(state: Any, mesh: Mesh) -> Any:
             "`replica_fields` class attribute (an `AlgorithmState`)."
         )
     fields = type(state).replica_fields
-    split = NamedSharding(mesh, PartitionSpec(AXIS))
     whole = NamedSharding(mesh, PartitionSpec())
+    data = mesh.shape[DATA]
+
+    def split(x):
+        spec = [AXIS] + [None] * (x.ndim - 1)
+        if fsdp and data > 1:
+            axes = [a for a in range(1, x.ndim) if x.shape[a] % data == 0]
+            if axes:
+                spec[max(axes, key=lambda a: x.shape[a])] = DATA
+        return NamedSharding(mesh, PartitionSpec(*spec))
+
     return type(state)(
         *(
             jax.tree.map(
-                lambda x, s=(split if name in fields else whole): (
-                    s if eqx.is_array(x) else None
+                lambda x, replica=name in fields: (
+                    (split(x) if replica else whole) if eqx.is_array(x) else None
                 ),
                 getattr(state, name),
             )
@@ -131,13 +171,13 @@ def state_shardings(state: Any, mesh: Mesh) -> Any:
     )
 
 
-def shard_state(state: Any, mesh: Mesh) -> Any:
+def shard_state(state: Any, mesh: Mesh, *, fsdp: bool = False) -> Any:
     """Place a state (the same full value on every process) on the mesh.
 
     Works in one process and across processes: every process calls `alg.init` with
     the same arguments and keeps only the slices its devices hold.
     """
-    shardings = state_shardings(state, mesh)
+    shardings = state_shardings(state, mesh, fsdp=fsdp)
     return jax.tree.map(
         lambda x, s: _global_array(x, s) if eqx.is_array(x) else x,
         state,
@@ -146,62 +186,138 @@ def shard_state(state: Any, mesh: Mesh) -> Any:
     )
 
 
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """`P("replica", "data")`: replicas over islands, each replica's batch split in it."""
+    return NamedSharding(mesh, PartitionSpec(AXIS, DATA))
+
+
 def shard_batch(batch: Batch, mesh: Mesh, num_replicas: int) -> Batch:
-    """Assemble the global `[M, ...]` batch from this process's replicas' batches.
+    """Assemble the global `[M, b, ...]` batch from this process's replicas' batches.
 
     Args:
-        batch: every leaf has a leading axis over `process_replicas(mesh, M)`, in that
-            order (in a single process: the whole `[M, ...]` batch).
+        batch: every leaf is `[n, b, ...]`, the whole batches of the replicas
+            `process_replicas(mesh, M)`, in that order (in a single process: the whole
+            `[M, b, ...]` batch). A process keeps only the parts its devices hold.
         mesh: the replica mesh.
         num_replicas: M.
 
     Returns:
-        The batch as global arrays sharded `P("replica")`.
+        The batch as global arrays sharded `P("replica", "data")`: each replica's
+        `b` sequences split over the D devices of its island.
+
+    Raises:
+        ValueError: if a leaf's leading axis is not this process's replicas, or its
+            per-replica batch `b` is not a multiple of D.
     """
-    sharding = NamedSharding(mesh, PartitionSpec(AXIS))
-    local = len(process_replicas(mesh, num_replicas))
+    sharding = batch_sharding(mesh)
+    mine = process_replicas(mesh, num_replicas)
+    position = {m: i for i, m in enumerate(mine)}
+    data = mesh.shape[DATA]
 
     def place(x):
         x = np.asarray(x)
-        if x.ndim == 0 or x.shape[0] != local:
+        if x.ndim < 2 or x.shape[0] != len(mine):
             raise ValueError(
                 f"batch leaf of shape {x.shape}: its leading axis must be this "
-                f"process's {local} replicas."
+                f"process's {len(mine)} replicas, then the per-replica batch."
             )
-        return jax.make_array_from_process_local_data(
-            sharding, x, (num_replicas,) + x.shape[1:]
+        if x.shape[1] % data:
+            raise ValueError(
+                f"per-replica batch of {x.shape[1]} sequences is not a multiple of the "
+                f"{data} devices per replica (mesh axis {DATA!r}); allowed: a global "
+                f"batch that is a multiple of M * {data}."
+            )
+
+        def part(index):
+            rows = range(*index[0].indices(num_replicas))
+            return x[[position[m] for m in rows]][(slice(None),) + index[1:]]
+
+        return jax.make_array_from_callback(
+            (num_replicas,) + x.shape[1:], sharding, part
         )
 
     return jax.tree.map(place, batch)
 
 
-def sharded_step(step: Callable[..., Any], mesh: Mesh) -> Callable[..., Any]:
-    """`eqx.filter_jit(step)` that keeps the state's replica sharding on its output.
+def sharded_step(
+    step: Callable[..., Any], mesh: Mesh, *, fsdp: bool = False
+) -> Callable[..., Any]:
+    """A jitted step that keeps the state's layout on the mesh, with the state donated.
+
+    The new state is constrained to `state_shardings(..., fsdp=fsdp)` and the metrics to
+    replicated values (every process can read them). Like `sdiloco.jit_step`, the state
+    passed in is consumed; `shard_state` already made fresh arrays.
 
     Args:
         step: an `Algorithm.step`.
         mesh: the replica mesh.
+        fsdp: split the replica leaves over `"data"` too (see `state_shardings`).
 
     Returns:
-        The jitted `step(state, batch) -> (state, metrics)` for sharded inputs.
+        The jitted `step(state, batch) -> (state, metrics)` for sharded inputs; it has
+        `.lower(state, batch)` to read the compiled program.
     """
+    whole = NamedSharding(mesh, PartitionSpec())
 
-    @eqx.filter_jit
-    def run(state, batch):
+    def constrained(batch, state):
         new_state, metrics = step(state, batch)
-        shardings = state_shardings(new_state, mesh)
+        shardings = state_shardings(new_state, mesh, fsdp=fsdp)
         new_state = jax.tree.map(
             lambda x, s: jax.lax.with_sharding_constraint(x, s) if s else x,
             new_state,
             shardings,
             is_leaf=lambda x: x is None,
         )
+        metrics = jax.tree.map(
+            lambda x: jax.lax.with_sharding_constraint(x, whole), metrics
+        )
         return new_state, metrics
 
-    return run
+    return _Step(eqx.filter_jit(constrained, donate="all-except-first"))
 
 
 # ----------------------------------------------------------------------------- helpers
+
+
+class _Step:
+    """`step(state, batch)` over a jitted `f(batch, state)` (the state is donated)."""
+
+    def __init__(self, jitted):
+        self.jitted = jitted
+
+    def __call__(self, state, batch):
+        return self.jitted(batch, state)
+
+    def lower(self, state, batch) -> "_Lowered":
+        return _Lowered(self.jitted.lower(batch, state))
+
+
+class _Lowered:
+    def __init__(self, lowered):
+        self.lowered = lowered
+
+    def compile(self) -> "_Compiled":
+        return _Compiled(self.lowered.compile())
+
+
+class _Compiled:
+    """A compiled step: `compiled(state, batch)`; `as_text()` is its XLA program."""
+
+    def __init__(self, compiled):
+        self.compiled = compiled
+
+    def __call__(self, state, batch):
+        return self.compiled(batch, state)
+
+    def as_text(self) -> str:
+        return self.compiled.compiled.as_text()
+
+    def memory_analysis(self) -> Any:
+        return self.compiled.compiled.memory_analysis()
+
+
+def _is_pos_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 1
 
 
 def _global_array(x: Array, sharding: NamedSharding) -> Array:

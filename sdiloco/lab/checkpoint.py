@@ -2,13 +2,20 @@
 
 One checkpoint holds, under one step directory written atomically by orbax:
 `state` (every array of the algorithm state: global params, outer states, replicas,
-inner states, in-flight fragments, step, key), `data_<m>` (each replica's grain iterator
-position), `config` (the `RunConfig` JSON) and `meta` (host-side counters and the
-metrics history). Restoring checks, before touching anything, that the checkpoint
-exists, has every item, was written by the same config, and holds arrays of the
-names, shapes and dtypes of the current run's state (read from the checkpoint's
-metadata, before any array is read): a mismatch is an error naming the arrays that
-differ, never a silent partial restore or a cast.
+inner states, in-flight fragments, step, key), `config` (the `RunConfig` JSON) and
+`meta` (host-side counters, the metrics history and each replica's data iterator
+position). Restoring checks, before touching anything, that the checkpoint exists,
+has every item, was written by the same config, and holds arrays of the names,
+shapes and dtypes of the current run's state (read from the checkpoint's metadata,
+before any array is read): a mismatch is an error naming the arrays that differ,
+never a silent partial restore or a cast.
+
+Across processes, every process calls `save` and `restore` with the same arguments:
+each writes the shards its devices hold, process 0 writes the JSON items and commits
+the step directory. The state is restored into the shardings of the template, so a
+checkpoint written on one layout (e.g. 2 processes x 2 devices) restores on any other
+that holds the same run (e.g. 1 process x 4 devices, or the one-device simulation).
+The directory must be one that every process sees (a shared filesystem or bucket).
 """
 
 import json
@@ -16,7 +23,6 @@ import os
 from typing import Any
 
 import equinox as eqx
-import grain
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
@@ -52,29 +58,28 @@ class Checkpointer:
         """The newest complete checkpoint's step, or None."""
         return self.manager.latest_step()
 
-    def save(self, step: int, state: Any, iterators: list, meta: dict) -> None:
-        """Save the state's arrays, the iterators' positions, the config and `meta`."""
+    def save(self, step: int, state: Any, meta: dict) -> None:
+        """Save the state's arrays, the config and `meta` (JSON: history, positions)."""
         items = {
             STATE: ocp.args.StandardSave(eqx.filter(state, eqx.is_array)),
             CONFIG: ocp.args.JsonSave(self.config),
             META: ocp.args.JsonSave(meta),
         }
-        for m, it in enumerate(iterators):
-            items[f"data_{m}"] = grain.checkpoint.CheckpointSave(it)
         self.manager.save(step, args=ocp.args.Composite(**items), force=True)
         self.manager.wait_until_finished()
 
     def restore(
-        self, template: Any, iterators: list, step: int | None = None
+        self, template: Any, step: int | None = None, abstract: Any = None
     ) -> tuple[Any, dict]:
-        """Restore into a state shaped like `template` and position `iterators`.
+        """Restore into a state shaped like `template`.
 
         Args:
             template: a state of the current run (e.g. `alg.init(model)`); its arrays
                 give the expected structure, shapes and dtypes, its non-array leaves
                 (static parts of the model) are reused.
-            iterators: the run's fresh data iterators, one per replica.
             step: which checkpoint; default the latest.
+            abstract: `ShapeDtypeStruct`s of the template's arrays with the shardings
+                to restore into (default: each template array's own sharding).
 
         Returns:
             The restored state and `meta`.
@@ -91,7 +96,7 @@ class Checkpointer:
                 f"{self.directory} (found steps {sorted(self.manager.all_steps())})."
             )
         step_dir = os.path.join(self.directory, str(step))
-        expected = [STATE, CONFIG, META] + [f"data_{m}" for m in range(len(iterators))]
+        expected = [STATE, CONFIG, META]
         missing = [i for i in expected if not os.path.isdir(os.path.join(step_dir, i))]
         if missing:
             raise CheckpointError(
@@ -114,13 +119,12 @@ class Checkpointer:
                 f"checkpoint {step_dir} holds a state that does not match this run's "
                 f"(checkpoint vs this run): {'; '.join(differences)}."
             )
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, arrays)
+        if abstract is None:
+            abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, arrays)
         items = {
             STATE: ocp.args.StandardRestore(abstract),
             META: ocp.args.JsonRestore(),
         }
-        for m, it in enumerate(iterators):
-            items[f"data_{m}"] = grain.checkpoint.CheckpointRestore(it)
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(**items))
         except (ValueError, KeyError, TypeError) as e:

@@ -3,6 +3,13 @@
 The flags change a named preset of `sdiloco.lab.config`; the config is built, and so
 checked, before anything is trained or written. A bad flag or value prints one line,
 `error: <message>`, on stderr and exits with status 2.
+
+The same command runs one process (the one-device simulation, or a mesh over this
+host's devices with `--devices-per-replica`) and each process of a multi-process job:
+add `--coordinator HOST:PORT --num-processes N --process-id I`, or `--auto-distributed`
+where `jax.distributed.initialize()` reads them from the cluster (SLURM, Cloud TPU,
+Kubernetes). A job that cannot gather within `--init-timeout` seconds exits with
+status 1 and one line saying why.
 """
 
 import argparse
@@ -46,15 +53,37 @@ def _train(args: argparse.Namespace) -> int:
         )
         return 2
 
+    from . import cluster
+
+    try:
+        cluster.connect(
+            args.coordinator,
+            args.num_processes,
+            args.process_id,
+            auto=args.auto_distributed,
+            timeout_s=args.init_timeout,
+        )
+    except ValueError as e:
+        return _fail(str(e))
+    except cluster.ConnectError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     try:
         history = run(
-            cfg, args.out, resume=not args.no_resume, progress=not args.no_progress
+            cfg,
+            args.out,
+            devices_per_replica=args.devices_per_replica,
+            fsdp=args.fsdp,
+            resume=not args.no_resume,
+            progress=not args.no_progress,
         )
-    except CheckpointError as e:  # a checkpoint of another run in --out
+    except (CheckpointError, ValueError) as e:  # another run in --out; a bad layout
         return _fail(str(e))
-    print(
-        json.dumps({"evals": history.evals[-1:], "summary": history.summary}, indent=1)
-    )
+    finally:
+        cluster.disconnect()
+    if cluster.is_primary():
+        summary = {"evals": history.evals[-1:], "summary": history.summary}
+        print(json.dumps(summary, indent=1))
     return 0
 
 
@@ -117,6 +146,32 @@ def _parser() -> argparse.ArgumentParser:
         "--no-resume", action="store_true", help="ignore checkpoints in --out"
     )
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    d = t.add_argument_group("devices and processes")
+    d.add_argument(
+        "--devices-per-replica",
+        type=int,
+        help="spread each replica over this many devices (mesh axis 'data'); default "
+        "in one process: the one-device simulation; in a job: all devices / M",
+    )
+    d.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="also split each replica's parameters and inner state over its devices",
+    )
+    d.add_argument("--coordinator", help="HOST:PORT of process 0 (multi-process)")
+    d.add_argument("--num-processes", type=int, help="processes in the job")
+    d.add_argument("--process-id", type=int, help="this process, 0 .. N-1")
+    d.add_argument(
+        "--auto-distributed",
+        action="store_true",
+        help="read the coordinates from the cluster (jax.distributed.initialize())",
+    )
+    d.add_argument(
+        "--init-timeout",
+        type=int,
+        default=300,
+        help="seconds to wait for every process to join (default 300)",
+    )
     return parser
 
 

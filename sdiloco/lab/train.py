@@ -6,6 +6,12 @@
 global parameters (and, on request, of the replica average and of the first replica),
 counts the bits put on the wire exactly (Python integers), shows a tqdm bar with loss,
 tokens/s and bits sent, checkpoints with orbax and writes the history as JSON and CSV.
+
+The same loop runs the one-device simulation and a job over many devices and
+processes: only the `cluster.Placement` differs (`mesh=`; see `sdiloco.lab.cluster`).
+In a job, every process runs `run` with the same config and output directory; each
+reads its own replicas' batches, all write their shards of each checkpoint, and
+process 0 alone shows progress and writes the history.
 """
 
 import csv
@@ -22,11 +28,13 @@ import equinox as eqx
 import jax
 import jax.random as jr
 import numpy as np
+from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
-from ..base import Algorithm, jit_step, replica_average, replica_params
+from ..base import Algorithm, replica_average, replica_params
 from . import data as data_lib, model as model_lib
 from .checkpoint import Checkpointer
+from .cluster import Placement
 from .config import RunConfig
 
 
@@ -97,14 +105,20 @@ class Run:
         )
 
 
-def build(config: RunConfig, **method_kwargs: Any) -> Run:
-    """Model, data and algorithm of a config (nothing is trained)."""
+def build(config: RunConfig, placement: Placement | None = None) -> Run:
+    """Model, data and algorithm of a config (nothing is trained).
+
+    With a `placement` on a mesh, a DiLoCo-family algorithm gets the sharded exchange.
+    """
     mc = model_lib.preset(config.model)
     model = model_lib.Transformer(mc, key=jr.PRNGKey(config.seed))
     train, heldout = _tokens(config, mc)
     inner = config.inner.build(config.steps)
+    extra = {}
+    if placement is not None and config.method.kind != "data_parallel":
+        extra = placement.exchange()
     alg = config.method.build(
-        model_lib.loss_with_aux, inner, model, has_aux=True, **method_kwargs
+        model_lib.loss_with_aux, inner, model, has_aux=True, **extra
     )
     return Run(config, mc, alg, model, train, heldout)
 
@@ -113,6 +127,9 @@ def run(
     config: RunConfig,
     out_dir: str | os.PathLike | None = None,
     *,
+    mesh: Mesh | None = None,
+    devices_per_replica: int | None = None,
+    fsdp: bool = False,
     resume: bool = True,
     stop_after: int | None = None,
     progress: bool = True,
@@ -123,77 +140,126 @@ def run(
     Args:
         config: the run.
         out_dir: where to write `history.json`/`.csv`, `config.json` and checkpoints
-            (`out_dir/checkpoints`); None writes nothing.
-        resume: continue from the latest checkpoint in `out_dir` if there is one.
+            (`out_dir/checkpoints`); None writes nothing. In a multi-process job, a
+            directory every process sees.
+        mesh: where the replicas live: a `sdiloco.distributed.replica_mesh`, or None
+            for the one-device simulation (in a multi-process job, None means a mesh
+            over every device of the job).
+        devices_per_replica: build the mesh over every device with this many devices
+            per replica (its `"data"` axis); instead of `mesh`.
+        fsdp: split each replica's parameters and inner state over its devices.
+        resume: continue from the latest checkpoint in `out_dir` if there is one
+            (written on any layout that holds the same run).
         stop_after: stop (with a checkpoint) after this step, e.g. to split a run in
             parts; a later call with `resume=True` continues it exactly.
-        progress: show a tqdm progress bar.
+        progress: show a tqdm progress bar (process 0 only).
         callback: `callback(step, state, metrics)` after every step, on device
             values (e.g. `analysis.outer_gradient_cosine`). The state is donated to
             the next step: copy what you keep, do not hold the state itself.
 
     Returns:
         The `History` (with the final state in `history.state`).
+
+    Raises:
+        ValueError: a layout that cannot hold the run (before any compute).
+        CheckpointError: a checkpoint in `out_dir` of another run.
     """
-    r = build(config)
     c = config
-    state = r.init_state()
+    place = Placement.of(
+        c.method.num_replicas,
+        mesh,
+        devices_per_replica=devices_per_replica,
+        fsdp=fsdp,
+    )
+    _check_batch(c, place)
+    r = build(config, place)
+    state = place.state(r.init_state())
     iterators = r.iterators()
     history = History(config)
-    log = _Log(r, history, progress)
+    log = _Log(r, history, progress and place.primary, place)
     ckpt = None
     if out_dir is not None:
-        ckpt, state = _open_checkpoints(r, out_dir, resume, state, iterators, log)
-    step_fn = jit_step(r.algorithm)
-    evaluate = _evaluator(r, c)
-    start_step = int(state.step)
+        ckpt, state = _open_checkpoints(
+            r, out_dir, resume, state, iterators, log, place
+        )
+    step_fn = place.step(r.algorithm)
+    evaluate = _evaluator(r, c, place)
+    start_step = int(place.host(state.step))
     last = c.steps if stop_after is None else min(stop_after, c.steps)
+
+    def save(step):
+        positions = place.gather_json(
+            {m: iterators[m].get_state() for m in place.local_replicas}
+        )
+        meta = log.meta()
+        meta["data"] = [positions[m] for m in range(c.method.num_replicas)]
+        ckpt.save(step, state, meta)
+
     log.start(start_step)
     for step in range(start_step + 1, last + 1):
-        batch = data_lib.stack_batches([next(it) for it in iterators])
-        state, metrics = step_fn(state, batch)
+        state, metrics = step_fn(state, place.batch(iterators))
         log.record(step, metrics, flush=step % c.log_every == 0 or step == last)
         if callback is not None:
             callback(step, state, metrics)
         if step % c.eval_every == 0 or step == c.steps:
             log.evaluation(step, evaluate(state))
         if ckpt is not None and c.checkpoint_every and step % c.checkpoint_every == 0:
-            ckpt.save(step, state, iterators, log.meta())
+            save(step)
     jax.block_until_ready(state)
     log.stop()
     if ckpt is not None:
         if ckpt.latest_step() != last:
-            ckpt.save(last, state, iterators, log.meta())
+            save(last)
         ckpt.close()
     history.summary = log.summary(last)
     history.state = state
-    if out_dir is not None:
+    if out_dir is not None and place.primary:
         history.save(out_dir)
     return history
 
 
-def _open_checkpoints(r: "Run", out_dir, resume: bool, state, iterators, log: "_Log"):
+def _check_batch(c: RunConfig, place: Placement) -> None:
+    """The global batch fits the layout (before anything is built)."""
+    if place.mesh is None:
+        return
+    data = dict(place.mesh.shape)["data"]
+    per = c.data.global_batch_size // c.method.num_replicas
+    if per % data:
+        raise ValueError(
+            f"data.global_batch_size={c.data.global_batch_size} gives {per} sequences "
+            f"per replica, not a multiple of the {data} devices per replica; allowed: "
+            f"a multiple of {c.method.num_replicas * data}."
+        )
+
+
+def _open_checkpoints(
+    r: "Run", out_dir, resume: bool, state, iterators, log: "_Log", place: Placement
+):
     """The run's `Checkpointer`, and the state restored from its latest checkpoint."""
     c = r.config
-    os.makedirs(out_dir, exist_ok=True)
+    if place.primary:
+        os.makedirs(out_dir, exist_ok=True)
     ckpt = Checkpointer(
         os.path.join(out_dir, "checkpoints"), c.to_json(), c.keep_checkpoints
     )
     if resume and ckpt.latest_step() is not None:
-        state, meta = ckpt.restore(state, iterators)
+        state, meta = ckpt.restore(state, abstract=place.abstract(state))
+        for m in place.local_replicas:
+            iterators[m].set_state(meta["data"][m])
         log.history.rows, log.history.evals = meta["rows"], meta["evals"]
         log.totals = meta["totals"]
     # Only now: a refused checkpoint leaves the directory's config.json as it was.
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        f.write(c.to_json())
+    if place.primary:
+        with open(os.path.join(out_dir, "config.json"), "w") as f:
+            f.write(c.to_json())
     return ckpt, state
 
 
 class _Log:
     """The host side of a run: metric rows, exact bit totals, evaluations, the bar."""
 
-    def __init__(self, r: "Run", history: History, progress: bool):
-        self.r, self.history, self.progress = r, history, progress
+    def __init__(self, r: "Run", history: History, progress: bool, place: Placement):
+        self.r, self.history, self.progress, self.place = r, history, progress, place
         self.totals = {"bits": 0, "peak_bits": 0, "wall_s": 0.0}
         self.bits_table = [int(b) for b in r.algorithm.bits_per_fragment(r.model)]
         self.tokens_per_step = r.config.data.global_batch_size * r.model_config.seq_len
@@ -219,7 +285,7 @@ class _Log:
         self.bar.update(1)
 
     def _flush(self, step: int) -> None:
-        host = jax.device_get(self.pending)
+        host = self.place.host(self.pending)
         self.pending.clear()
         for _, m in host:
             sent = np.asarray(m.get("sync/sent", [True]), bool).reshape(-1)
@@ -298,7 +364,8 @@ def _tokens(
     return tokens, evaluation
 
 
-def _evaluator(r: Run, c: RunConfig):
+def _evaluator(r: Run, c: RunConfig, place: Placement):
+    """`evaluate(state) -> {name: loss}`, on this process's default device."""
     batches = list(
         data_lib.make_eval_iterator(
             r.heldout_tokens,
@@ -312,17 +379,23 @@ def _evaluator(r: Run, c: RunConfig):
     def ce(params, batch):
         return model_lib.loss_with_aux(params, batch)[1]["ce"]
 
-    def params_of(state, which):
-        if which == "global" or not hasattr(state, "replica_params"):
-            return state.global_params
-        if which == "average":
-            return replica_average(state)
-        return replica_params(state, 0)
+    def params_of(which):
+        def get(state):
+            if which == "global" or not hasattr(state, "replica_params"):
+                return eqx.filter(state.global_params, eqx.is_array)
+            if which == "average":
+                return eqx.filter(replica_average(state), eqx.is_array)
+            return eqx.filter(replica_params(state, 0), eqx.is_array)
+
+        return place.replicated(get)
+
+    readers = {which: params_of(which) for which in c.eval_params}
+    static = eqx.filter(r.model, eqx.is_array, inverse=True)
 
     def evaluate(state) -> dict:
         out = {}
         for which in c.eval_params:
-            params = params_of(state, which)
+            params = eqx.combine(place.local(readers[which](state)), static)
             loss = float(np.mean([float(ce(params, b)) for b in batches]))
             out[f"eval/{which}"] = loss
             out[f"bpb/{which}"] = loss / math.log(2)

@@ -1,0 +1,425 @@
+"""Where a run's replicas live: one device, or a mesh across devices and processes.
+
+The training loop (`sdiloco.lab.train.run`) is the same program on a laptop and on a
+cluster; only the `Placement` differs:
+
+- **simulation** (no mesh, one process): the M replicas are vmapped on the default
+  device, the reference every other layout is checked against;
+- **mesh** (`sdiloco.distributed.replica_mesh`, axes `("replica", "data")`): replicas
+  over islands of devices, each replica's batch (and, with FSDP, its parameters and
+  inner optimizer state) split over its island, the exchange an all-gather of the
+  packed low-bit messages across `"replica"` only. The mesh may span processes: each
+  process feeds its own replicas' data, every process runs the same step, process 0
+  writes the history, and all of them write their shards of a checkpoint.
+
+`connect` joins the processes of a job (`jax.distributed.initialize`) after checking the
+coordinates it is given, with a bounded wait: a coordinator that cannot be reached or a
+job that never gathers its `num_processes` processes ends with an error, not a hang.
+JAX's runtime ends such a job by aborting every process with a C++ stack trace, so
+`connect` first gathers the processes itself on the coordinator's port (each sends its
+id and the job size it was given; process 0 answers once all have arrived, or tells
+each what is wrong) and only then starts the runtime on that port.
+"""
+
+import dataclasses
+import json
+import socket
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from .. import distributed
+from ..base import jit_step
+from . import data as data_lib
+
+
+class ConnectError(RuntimeError):
+    """The processes of a job could not be joined (see `connect`)."""
+
+
+def connect(
+    coordinator: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    auto: bool = False,
+    timeout_s: int = 300,
+) -> None:
+    """Join this process to its job, or do nothing for a single-process run.
+
+    Args:
+        coordinator: `HOST:PORT` of process 0 (which listens there).
+        num_processes: processes in the job (>= 1), with `coordinator`.
+        process_id: this process, in `[0, num_processes)`, with `coordinator`.
+        auto: let `jax.distributed.initialize()` read the coordinates from the cluster
+            (SLURM, Cloud TPU, Kubernetes...); the three arguments above must be None.
+        timeout_s: how long to wait for every process to join.
+
+    Raises:
+        ValueError: coordinates that cannot describe a job (checked before any waiting),
+            naming the field, its value and what is allowed.
+        ConnectError: the job did not gather within `timeout_s` (an unreachable
+            coordinator, fewer processes started than `num_processes`, ...).
+    """
+    given = [x is not None for x in (coordinator, num_processes, process_id)]
+    if not isinstance(timeout_s, int) or isinstance(timeout_s, bool) or timeout_s < 1:
+        raise ValueError(f"timeout_s={timeout_s!r}; allowed: an int >= 1 (seconds).")
+    if auto:
+        if any(given):
+            raise ValueError(
+                "auto=True detects the coordinates from the cluster; allowed: no "
+                "coordinator, num_processes or process_id with it."
+            )
+        _initialize(dict(initialization_timeout=timeout_s), "the detected cluster")
+        return
+    if not any(given):
+        return
+    if not all(given):
+        missing = [
+            n
+            for n, g in zip(("coordinator", "num_processes", "process_id"), given)
+            if not g
+        ]
+        raise ValueError(
+            f"a multi-process run needs coordinator, num_processes and process_id "
+            f"together; missing: {missing}."
+        )
+    host, _, port = coordinator.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(
+            f"coordinator={coordinator!r}; allowed: HOST:PORT with a port in "
+            "[1, 65535], e.g. 10.0.0.1:1234."
+        )
+    if not _pos_int(num_processes):
+        raise ValueError(f"num_processes={num_processes!r}; allowed: an int >= 1.")
+    if not (_int(process_id) and 0 <= process_id < num_processes):
+        raise ValueError(
+            f"process_id={process_id!r}; allowed: an int in [0, {num_processes})."
+        )
+    _rendezvous(host, int(port), num_processes, process_id, timeout_s)
+    _initialize(
+        dict(
+            coordinator_address=coordinator,
+            num_processes=num_processes,
+            process_id=process_id,
+            initialization_timeout=timeout_s,
+        ),
+        f"coordinator {coordinator} ({num_processes} processes, this one "
+        f"{process_id}, waited {timeout_s} s)",
+    )
+
+
+def is_primary() -> bool:
+    """Whether this is process 0 (the one that writes and prints)."""
+    return jax.process_index() == 0
+
+
+def disconnect() -> None:
+    """Leave the job joined by `connect` (nothing for a single-process run)."""
+    if jax.process_count() > 1:
+        jax.distributed.shutdown()
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """The layout of one run: the simulation (`mesh=None`) or a replica mesh.
+
+    Build it with `Placement.of`. Every method is the same call in one process and in
+    many: a process places only what its devices hold and reads only replicated
+    values.
+    """
+
+    mesh: Mesh | None
+    num_replicas: int
+    fsdp: bool = False
+
+    @staticmethod
+    def of(
+        num_replicas: int,
+        mesh: Mesh | None = None,
+        *,
+        devices_per_replica: int | None = None,
+        fsdp: bool = False,
+    ) -> "Placement":
+        """The placement of a run of M replicas.
+
+        Args:
+            num_replicas: M.
+            mesh: a `distributed.replica_mesh(M, ...)`; default: the simulation on one
+                device in a single process without `devices_per_replica` or `fsdp`,
+                else a mesh over every device of the job.
+            devices_per_replica: D, the size of the mesh's `"data"` axis when the mesh
+                is built here (see `replica_mesh`).
+            fsdp: split each replica's parameters and inner state over `"data"`.
+
+        Raises:
+            ValueError: a mesh that cannot hold M replicas (checked before any compute).
+        """
+        wants_mesh = devices_per_replica is not None or fsdp
+        if mesh is None and (jax.process_count() > 1 or wants_mesh):
+            mesh = distributed.replica_mesh(num_replicas, data=devices_per_replica)
+        elif mesh is not None and devices_per_replica is not None:
+            raise ValueError(
+                f"devices_per_replica={devices_per_replica!r} with a mesh given; "
+                "allowed: one of the two (the mesh's 'data' axis is D)."
+            )
+        if mesh is not None:
+            rows = dict(mesh.shape)[distributed.AXIS]
+            if num_replicas % rows:
+                raise ValueError(
+                    f"num_replicas (M)={num_replicas} is not a multiple of the mesh's "
+                    f"{rows} rows on axis {distributed.AXIS!r}; allowed: a mesh "
+                    f"from replica_mesh({num_replicas}, ...)."
+                )
+        return Placement(mesh, num_replicas, fsdp)
+
+    @property
+    def primary(self) -> bool:
+        """Whether this process writes the run's files and shows its progress."""
+        return jax.process_index() == 0
+
+    @property
+    def local_replicas(self) -> list[int]:
+        """The replicas whose batches this process reads."""
+        if self.mesh is None:
+            return list(range(self.num_replicas))
+        return distributed.process_replicas(self.mesh, self.num_replicas)
+
+    def exchange(self) -> dict[str, Any]:
+        """Extra arguments of a DiLoCo-family factory: the sharded exchange, if any."""
+        if self.mesh is None:
+            return {}
+        return {"exchange": distributed.sharded_exchange(self.mesh)}
+
+    def state(self, state: Any) -> Any:
+        """Place a state (the same full value on every process)."""
+        if self.mesh is None:
+            return state
+        return distributed.shard_state(state, self.mesh, fsdp=self.fsdp)
+
+    def abstract(self, state: Any) -> Any:
+        """`ShapeDtypeStruct`s of a state's arrays with their shardings here."""
+        arrays = eqx.filter(state, eqx.is_array)
+        if self.mesh is None:
+            return jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                arrays,
+            )
+        shardings = distributed.state_shardings(state, self.mesh, fsdp=self.fsdp)
+        return jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+            arrays,
+            shardings,
+        )
+
+    def batch(self, iterators: Sequence[Any]) -> Any:
+        """The next global batch: one `next()` of each local replica's iterator."""
+        host = data_lib.stack_batches([next(iterators[m]) for m in self.local_replicas])
+        if self.mesh is None:
+            return host
+        return distributed.shard_batch(host, self.mesh, self.num_replicas)
+
+    def step(self, algorithm: Any) -> Callable[[Any, Any], tuple[Any, Any]]:
+        """The jitted, state-donating step on this layout."""
+        if self.mesh is None:
+            return jit_step(algorithm)
+        return distributed.sharded_step(algorithm.step, self.mesh, fsdp=self.fsdp)
+
+    def replicated(self, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """`fn(state)` computed on the layout, its result readable by every process."""
+        if self.mesh is None:
+            return fn
+        whole = NamedSharding(self.mesh, PartitionSpec())
+        return eqx.filter_jit(
+            lambda s: jax.tree.map(
+                lambda x: jax.lax.with_sharding_constraint(x, whole), fn(s)
+            )
+        )
+
+    def host(self, tree: Any) -> Any:
+        """Local copies of the replicated arrays of `tree` (NumPy; others unchanged)."""
+
+        def one(x):
+            if isinstance(x, jax.Array) and not x.is_fully_addressable:
+                if not x.is_fully_replicated:
+                    raise ValueError(
+                        f"array of shape {x.shape} is split across processes; read "
+                        "it through `replicated` first."
+                    )
+                return np.asarray(x.addressable_data(0))
+            return np.asarray(x) if isinstance(x, jax.Array) else x
+
+        return jax.tree.map(one, tree)
+
+    def local(self, tree: Any) -> Any:
+        """`tree` as arrays this process can compute with alone (for evaluation).
+
+        Arrays that span processes become local copies on this process's default
+        device; the others are returned as they are.
+        """
+        if all(
+            x.is_fully_addressable
+            for x in jax.tree.leaves(tree)
+            if isinstance(x, jax.Array)
+        ):
+            return tree
+        return jax.tree.map(
+            lambda x: jnp.asarray(x) if isinstance(x, np.ndarray) else x,
+            self.host(tree),
+        )
+
+    def gather_json(self, local: dict[int, Any]) -> dict[int, Any]:
+        """Merge every process's `{replica: JSON value}` (e.g. iterator positions)."""
+        if jax.process_count() == 1:
+            return dict(local)
+        text = json.dumps({str(k): v for k, v in local.items()}).encode()
+        sizes = multihost_utils.process_allgather(np.array([len(text)], np.int32))
+        buf = np.zeros(int(np.max(sizes)), np.uint8)
+        buf[: len(text)] = np.frombuffer(text, np.uint8)
+        every = multihost_utils.process_allgather(buf)
+        out: dict[int, Any] = {}
+        for row, size in zip(np.asarray(every), np.asarray(sizes).reshape(-1)):
+            out.update({int(k): v for k, v in json.loads(bytes(row[:size])).items()})
+        return out
+
+    def describe(self) -> str:
+        """One line: where the replicas live."""
+        if self.mesh is None:
+            return f"simulation: {self.num_replicas} replicas vmapped on one device"
+        shape = dict(self.mesh.shape)
+        return (
+            f"mesh replica={shape[distributed.AXIS]} x data={shape[distributed.DATA]} "
+            f"over {self.mesh.size} devices in {jax.process_count()} processes"
+            f"{', FSDP' if self.fsdp else ''}; this process feeds replicas "
+            f"{self.local_replicas}"
+        )
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _rendezvous(
+    host: str, port: int, num_processes: int, process_id: int, timeout_s: int
+) -> None:
+    """Gather the job's processes on the coordinator's port, or raise `ConnectError`.
+
+    Process 0 listens and waits for the ids 1 .. N-1, each sent with the N its process
+    was given; it answers "ok" to all once all have arrived, or an error to every
+    connected process (another N, an id twice, or missing ids at the deadline).
+    Every other process connects (retrying until the deadline) and waits for the answer.
+    """
+    if num_processes == 1:
+        return
+    deadline = time.monotonic() + timeout_s
+    if process_id == 0:
+        _gather(host, port, num_processes, deadline, timeout_s)
+        return
+    where = f"coordinator {host}:{port}"
+    while True:
+        try:
+            conn = socket.create_connection((host, port), timeout=1.0)
+            break
+        except OSError as e:
+            if time.monotonic() > deadline:
+                raise ConnectError(
+                    f"could not reach {where} within {timeout_s} s (last error: {e}); "
+                    "is process 0 running, and is the address right?"
+                ) from e
+            time.sleep(0.2)
+    with conn:
+        hello = {"process_id": process_id, "num_processes": num_processes}
+        conn.sendall((json.dumps(hello) + "\n").encode())
+        conn.settimeout(max(1.0, deadline - time.monotonic()) + 5.0)
+        try:
+            answer = conn.makefile().readline().strip()
+        except OSError:
+            answer = ""
+    if answer != "ok":
+        raise ConnectError(answer or f"{where} gave no answer within {timeout_s} s.")
+
+
+def _gather(
+    host: str, port: int, num_processes: int, deadline: float, timeout_s: int
+) -> None:
+    """Process 0's side of `_rendezvous`."""
+    try:
+        if socket.has_dualstack_ipv6():
+            server = socket.create_server(
+                ("", port), family=socket.AF_INET6, dualstack_ipv6=True
+            )
+        else:
+            server = socket.create_server(("", port))
+    except OSError as e:
+        raise ConnectError(f"process 0 cannot listen on port {port}: {e}.") from e
+    joined: dict[int, socket.socket] = {}
+    error = None
+    try:
+        while len(joined) < num_processes - 1:
+            server.settimeout(max(0.01, deadline - time.monotonic()))
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                missing = sorted(set(range(1, num_processes)) - set(joined))
+                error = (
+                    f"only {len(joined) + 1} of num_processes={num_processes} "
+                    f"processes joined within {timeout_s} s; missing process ids "
+                    f"{missing}."
+                )
+                break
+            conn.settimeout(5.0)
+            try:
+                hello = json.loads(conn.makefile().readline())
+                pid, n = int(hello["process_id"]), int(hello["num_processes"])
+            except (OSError, ValueError, KeyError, TypeError):
+                conn.close()  # not one of ours (a port scanner, a stale client)
+                continue
+            if n != num_processes:
+                error = (
+                    f"process {pid} was started with num_processes={n}, process 0 "
+                    f"with {num_processes}; allowed: the same value everywhere."
+                )
+            elif pid in joined or not 0 < pid < num_processes:
+                error = (
+                    f"process_id={pid} joined twice or is out of [1, {num_processes})"
+                    "; allowed: each id of 0 .. num_processes-1 once."
+                )
+            if error is not None:
+                conn.sendall(f"error: {error}\n".encode())
+                conn.close()
+                break
+            joined[pid] = conn
+        answer = "ok" if error is None else f"error: {error}"
+        for conn in joined.values():
+            try:
+                conn.sendall((answer + "\n").encode())
+            except OSError:
+                pass
+    finally:
+        for conn in joined.values():
+            conn.close()
+        server.close()
+    if error is not None:
+        raise ConnectError(error)
+
+
+def _initialize(kwargs: dict, where: str) -> None:
+    try:
+        jax.distributed.initialize(**kwargs)
+    except Exception as e:  # the runtime raises XlaRuntimeError or RuntimeError
+        message = " ".join(str(e).split())[:300]
+        raise ConnectError(f"could not join {where}: {message}") from e
+
+
+def _int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _pos_int(x: Any) -> bool:
+    return _int(x) and x >= 1

@@ -1,0 +1,399 @@
+"""One training loop from one device to many processes: `train.run` and the CLI on a mesh.
+
+The runs here are the documented entry points (`train.run(..., devices_per_replica=)`
+and `python -m sdiloco train ... --coordinator ...`) on a small transformer, M = 2:
+
+- 1 process x 4 devices (2 replicas x 2 data) and 2 processes x 2 devices agree with
+  the vmapped one-device simulation within float32 rounding (see
+  `sdiloco.distributed.mesh` for why a sharded step is not bitwise the simulation),
+  and with each other bitwise (the same per-device program);
+- the compiled step's collectives: the packed low-bit messages are the only bytes of
+  fragment size across `"replica"`; the gradient all-reduce stays inside an island;
+- every process SIGKILLed with a fragment in flight, then the same commands again: the
+  run ends bitwise equal to the uninterrupted one;
+- a checkpoint written by 2 processes x 2 devices restores on 1 process x 4 devices and
+  on the one-device simulation, and a layout that cannot hold the run is refused
+  before any compute;
+- bad coordinates end with one clear line and a non-zero status within a bounded time.
+"""
+
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+from helpers import free_port
+
+import sdiloco
+from sdiloco.lab import cluster, config as config_lib, train
+from sdiloco.lab.checkpoint import Checkpointer, CheckpointError
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOL = dict(rtol=2e-4, atol=2e-5)
+STEPS = 24
+FLAGS = [
+    "--model=tiny-xxs",
+    f"--steps={STEPS}",
+    "--sync-every=4",
+    "--batch-size=8",
+    "--checkpoint-every=4",
+    "--no-progress",
+]
+"""The CLI flags of the run: Streaming DiLoCo with overlapped FP4, M = 2, H = 4,
+3 fragments sent at steps 4, 5, 7 (mod 4), τ = 1: each checkpoint (every 4 steps) is
+taken with fragment 0 in flight."""
+
+
+@pytest.fixture(autouse=True)
+def standard_promotion():
+    """Runs use optax's AdamW, whose `b1 ** count` strict promotion rejects."""
+    with jax.numpy_dtype_promotion("standard"):
+        yield
+
+
+def _config(**changes):
+    """The config the CLI builds from `FLAGS` (checked against its config.json)."""
+    base = dict(
+        model="tiny-xxs",
+        steps=STEPS,
+        method={"sync_every": 4},
+        data={"global_batch_size": 8},
+        checkpoint_every=4,
+    )
+    return config_lib.preset("streaming_overlap_fp4", **{**base, **changes})
+
+
+def _final_state(out_dir, config=None):
+    """The state of the newest checkpoint in `out_dir`, as NumPy arrays."""
+    config = config or _config()
+    template = train.build(config).init_state()
+    ckpt = Checkpointer(os.path.join(out_dir, "checkpoints"), config.to_json())
+    try:
+        state, _ = ckpt.restore(template)
+    finally:
+        ckpt.close()
+    return jax.tree.map(np.asarray, sdiloco.global_params(state)), state
+
+
+def _arrays(tree):
+    return [np.asarray(x) for x in jax.tree.leaves(tree) if hasattr(x, "shape")]
+
+
+def _assert_equal(a, b):
+    for x, y in zip(_arrays(a), _arrays(b), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+def _assert_close(a, b):
+    for x, y in zip(_arrays(a), _arrays(b), strict=True):
+        np.testing.assert_allclose(x, y, **TOL)
+
+
+def _env(devices):
+    return dict(
+        os.environ,
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=ROOT,
+    )
+
+
+def _start_job(out_dir, port, *, num_processes=2, devices=2, extra=()):
+    """The same CLI command once per process, as a user would start them."""
+    return [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "sdiloco",
+                "train",
+                *FLAGS,
+                f"--out={out_dir}",
+                f"--coordinator=127.0.0.1:{port}",
+                f"--num-processes={num_processes}",
+                f"--process-id={i}",
+                "--init-timeout=60",
+                *extra,
+            ],
+            env=_env(devices),
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(num_processes)
+    ]
+
+
+def _finish(procs, timeout):
+    deadline = time.monotonic() + timeout
+    outputs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            outputs.append(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, out in zip(procs, outputs):
+        assert p.returncode == 0, out[-3000:]
+    return outputs
+
+
+def _steps(out_dir):
+    ckpt = os.path.join(out_dir, "checkpoints")
+    if not os.path.isdir(ckpt):
+        return []
+    return sorted(int(d) for d in os.listdir(ckpt) if d.isdigit())
+
+
+# -------------------------------------------------------------- one process, 4 devices
+
+
+@pytest.fixture(scope="module")
+def simulated():
+    """The one-device simulation of the run (the reference)."""
+    with jax.numpy_dtype_promotion("standard"):
+        history = train.run(_config(), progress=False)
+    return jax.tree.map(np.asarray, history.state.global_params), history
+
+
+@pytest.mark.integration
+def test_one_process_four_devices_equals_simulation(simulated):
+    reference, ref_history = simulated
+    for fsdp in (False, True):
+        history = train.run(_config(), devices_per_replica=2, fsdp=fsdp, progress=False)
+        state = history.state
+        assert dict(state.global_params.blocks.attn.w_q.sharding.mesh.shape) == {
+            "replica": 2,
+            "data": 2,
+        }
+        _assert_close(history.state.global_params, reference)
+        assert history.summary["bits_total"] == ref_history.summary["bits_total"]
+        got, want = (
+            history.evals[-1]["eval/global"],
+            ref_history.evals[-1]["eval/global"],
+        )
+        assert abs(got - want) < 1e-4
+    # With FSDP, each replica's parameters are split over its island's two devices.
+    spec = state.replica_params.blocks.mlp.w_up.sharding.spec
+    assert spec[0] == "replica" and "data" in spec
+
+
+@pytest.mark.integration
+def test_compiled_collectives_per_axis():
+    # The 2 x 2 mesh's compiled step: which collectives run over which axis.
+    place = cluster.Placement.of(2, devices_per_replica=2)
+    r = train.build(_config(), place)
+    state = place.state(r.init_state())
+    batch = place.batch(r.iterators())
+    compiled = place.step(r.algorithm).lower(state, batch).compile()
+    text = compiled.as_text()
+    found = sdiloco.distributed.collectives(text, place.mesh)
+    per_axis = sdiloco.distributed.by_axis(text, place.mesh)
+    num_params = r.model_config.num_params()
+    bits = r.algorithm.bits_per_fragment(r.model)
+    # Across islands ("replica"): the packed messages, half of each fragment's
+    # message from each of its island's two devices, and the metrics (the replicas'
+    # mean loss and per-replica values: a few scalars).
+    wide = [c for c in found if c.axes == ("replica",)]
+    packed = [c for c in wide if c.dtype == "u8"]
+    assert {c.kind for c in packed} == {"all-gather"}
+    served = set()
+    for c in packed:  # one compiled branch may serve fragments of one size
+        fragments = [
+            int(p)
+            for p in c.op_name.split("sdiloco_fragment_")[1].split("/")[0].split("_")
+        ]
+        for p in fragments:
+            assert c.bytes_per_device == math.ceil(math.ceil(bits[p] / 8) / 2)
+        served.update(fragments)
+    assert served == set(range(len(bits)))
+    assert sum(c.bytes_per_device for c in wide if c.dtype != "u8") <= 16
+    assert sdiloco.distributed.wire_bytes(text, 2, place.mesh) == {
+        p: math.ceil(math.ceil(b / 8) / 2) * 2 for p, b in enumerate(bits)
+    }
+    # Inside an island ("data"): the gradient all-reduce of a whole replica's
+    # float32 gradient, and the re-assembly of the messages.
+    assert per_axis[("data",)]["all-reduce"] >= 4 * num_params
+    assert set(per_axis) <= {("replica",), ("data",)}
+
+
+@pytest.mark.integration
+def test_layout_that_cannot_hold_the_run_is_refused(tmp_path):
+    # Before any compute: one line naming the value and what is allowed.
+    with pytest.raises(ValueError, match="data .devices per replica.=3"):
+        train.run(_config(), devices_per_replica=3, progress=False)
+    three = sdiloco.distributed.replica_mesh(3, jax.devices()[:3])
+    with pytest.raises(ValueError, match="num_replicas .M.=2 is not a multiple"):
+        train.run(_config(), mesh=three, progress=False)
+    odd = _config(data={"global_batch_size": 2})
+    with pytest.raises(ValueError, match="global_batch_size=2.*multiple of 4"):
+        train.run(odd, devices_per_replica=2, progress=False)
+
+
+# --------------------------------------------------------- two processes, 2 devices each
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    """The uninterrupted 2 processes x 2 devices run, through the CLI."""
+    out = tmp_path_factory.mktemp("two_processes")
+    start = time.monotonic()
+    outputs = _finish(_start_job(out, free_port()), timeout=400)
+    seconds = time.monotonic() - start
+    with open(out / "config.json") as f:
+        assert f.read() == _config().to_json()  # the CLI built the same config
+    with jax.numpy_dtype_promotion("standard"):
+        params, state = _final_state(out)
+    return dict(out=out, params=params, state=state, outputs=outputs, seconds=seconds)
+
+
+@pytest.mark.multiprocess
+def test_two_processes_equal_one_process_and_simulation(two_processes, simulated):
+    params, state = two_processes["params"], two_processes["state"]
+    assert int(state.step) == STEPS
+    _assert_close(params, simulated[0])
+    one = train.run(_config(), devices_per_replica=2, progress=False)
+    # The same per-device program on the same 2 x 2 mesh: bitwise.
+    _assert_equal(params, one.state.global_params)
+    # Process 0 alone printed the summary (one JSON document).
+    printed = ['"summary"' in out for out in two_processes["outputs"]]
+    assert printed == [True, False]
+
+
+@pytest.mark.multiprocess
+def test_sigkill_every_process_then_resume_is_bitwise(two_processes, tmp_path):
+    out, port = tmp_path / "run", free_port()
+    procs = _start_job(out, port)
+    deadline = time.monotonic() + 300
+    try:
+        while not [s for s in _steps(out) if s >= 8] and time.monotonic() < deadline:
+            assert all(p.poll() is None for p in procs), "a process ended early"
+            time.sleep(0.05)
+        for p in procs:
+            p.send_signal(signal.SIGKILL)
+    finally:
+        for p in procs:
+            p.kill()
+            p.communicate()  # reaps it and closes its pipe
+    killed_at = _steps(out)
+    assert killed_at and max(killed_at) < STEPS, killed_at  # killed mid-run
+    assert not (out / "history.json").exists()
+    # The checkpoint it will resume from has a fragment in flight (τ = 1).
+    _, state = _final_state(out)
+    assert int(state.step) in np.asarray(state.sent_at).tolist()
+    shutil.copytree(out, tmp_path / "copy")  # for the layout test below
+    _finish(_start_job(out, port), timeout=400)  # the same commands again
+    params, final = _final_state(out)
+    assert int(final.step) == STEPS
+    _assert_equal(params, two_processes["params"])
+    _assert_equal(final, two_processes["state"])
+    # Written by 2 processes x 2 devices, restored on 1 process x 4 devices: the
+    # same numbers (bitwise, the same per-device program).
+    history = train.run(
+        _config(), tmp_path / "copy", devices_per_replica=2, progress=False
+    )
+    _assert_equal(history.state.global_params, two_processes["params"])
+
+
+@pytest.mark.multiprocess
+def test_checkpoint_of_a_job_restores_on_the_simulation(two_processes, tmp_path):
+    # The job's step-20 checkpoint (fragment 0 in flight), continued on one device.
+    copy = tmp_path / "run"
+    shutil.copytree(two_processes["out"], copy)
+    shutil.rmtree(copy / "checkpoints" / str(STEPS))
+    assert _steps(copy) == [STEPS - 4]
+    history = train.run(_config(), copy, progress=False)
+    assert int(history.state.step) == STEPS
+    _assert_close(history.state.global_params, two_processes["params"])
+    # Another M cannot hold the run: refused before any compute, naming the field.
+    other = _config(method={"sync_every": 4, "num_replicas": 4})
+    with pytest.raises(CheckpointError, match="num_replicas: 2 vs 4"):
+        train.run(other, copy, progress=False)
+
+
+# --------------------------------------------------------------------- bad coordinates
+
+
+def _cli(*flags, devices=1, timeout=90):
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "sdiloco", "train", *FLAGS, *flags],
+        env=_env(devices),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    lines = done.stderr.strip().splitlines()
+    return done.returncode, lines, time.monotonic() - start
+
+
+@pytest.mark.multiprocess
+def test_bad_coordinates_end_with_a_clear_error():
+    port = free_port()
+    job = [f"--coordinator=127.0.0.1:{port}", "--num-processes=2", "--init-timeout=3"]
+    # Nobody listens: process 1 gives up after the timeout.
+    rc, lines, seconds = _cli(*job, "--process-id=1")
+    assert rc == 1 and seconds < 60
+    assert lines == [lines[0]] and "could not reach coordinator" in lines[0]
+    # Process 0 of a job of two, alone: the missing process is named.
+    rc, lines, seconds = _cli(*job, "--process-id=0")
+    assert rc == 1 and seconds < 60
+    assert "only 1 of num_processes=2" in lines[-1] and "[1]" in lines[-1]
+    # Coordinates that cannot describe a job: refused at once, exit status 2.
+    for flags, message in [
+        (job + ["--process-id=2"], "process_id=2; allowed: an int in [0, 2)"),
+        (["--coordinator=nowhere", "--num-processes=2", "--process-id=0"], "HOST:PORT"),
+        ([f"--coordinator=127.0.0.1:{port}", "--process-id=0"], "num_processes"),
+    ]:
+        rc, lines, _ = _cli(*flags)
+        assert rc == 2 and len(lines) == 1 and message in lines[0], lines
+    # A mesh that does not divide the devices: one line, before any compute.
+    rc, lines, _ = _cli("--devices-per-replica=3", devices=4)
+    assert rc == 2 and len(lines) == 1 and "devices per replica" in lines[0], lines
+
+
+@pytest.mark.multiprocess
+def test_processes_that_disagree_on_the_job_size_are_told(tmp_path):
+    port = free_port()
+    coordinator = f"--coordinator=127.0.0.1:{port}"
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "sdiloco",
+                "train",
+                *FLAGS,
+                coordinator,
+                f"--num-processes={n}",
+                f"--process-id={i}",
+                "--init-timeout=20",
+            ],
+            env=_env(1),
+            cwd=ROOT,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i, n in ((0, 2), (1, 3))
+    ]
+    try:
+        errors = [p.communicate(timeout=90)[1] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [1, 1]
+    for err in errors:
+        assert "num_processes=3, process 0 with 2" in err.strip().splitlines()[-1]
