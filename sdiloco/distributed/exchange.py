@@ -8,6 +8,11 @@ those bytes, and each one dequantizes all M messages and averages them in float3
 locally (Streaming DiLoCo §2.4: "the accumulation is done in FP32"). The bytes on the
 wire are the bits of `Algorithm.bits_per_fragment` (within half a byte of padding).
 
+On a mesh with a `"data"` axis of D > 1 devices per replica, the D devices of an island
+hold the same message; each sends its `1/D` share across `"replica"` and the island
+then all-gathers the shares over `"data"` (its fast links), so the slow axis carries
+each replica's message once.
+
 Numerics, compared with the vmapped simulation (`tests/test_distributed.py`): the
 exchange is exact by construction. The same quantizer runs on the same values with the
 same PRNG keys, and integer codes and scales move verbatim, so what every replica
