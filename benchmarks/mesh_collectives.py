@@ -79,8 +79,10 @@ def main() -> None:
     p.add_argument("--model", default="tiny-s")
     args = p.parse_args()
     rows = table(args.model)
-    print(f"model {args.model}: {rows[0]['params']:,} parameters, 4N = "
-          f"{4 * rows[0]['params']:,} B; mesh replica=2 x data=2")
+    print(
+        f"model {args.model}: {rows[0]['params']:,} parameters, 4N = "
+        f"{4 * rows[0]['params']:,} B; mesh replica=2 x data=2"
+    )
     print("| method | FSDP | axis | collective | dtype | bytes per device per step |")
     print("|---|---|---|---|---|---|")
     for r in rows:
