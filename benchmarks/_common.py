@@ -13,7 +13,6 @@ import numpy as np
 
 import sdiloco
 from sdiloco.inner import inner_steps
-from sdiloco.lab import config as config_lib, model as model_lib, train
 
 
 def machine() -> str:
@@ -49,8 +48,10 @@ def run_config(
     global_batch: int = 16,
     steps: int = 1000,
     **method: Any,
-) -> config_lib.RunConfig:
+) -> Any:
     """A preset's `RunConfig` with the knobs the benchmarks vary."""
+    from sdiloco.lab import config as config_lib  # the lab extra, only where used
+
     method = {"num_replicas": replicas, **method}
     if preset != "data_parallel":
         method["sync_every"] = sync_every
@@ -63,8 +64,10 @@ def run_config(
     )
 
 
-def build(config: config_lib.RunConfig) -> train.Run:
+def build(config: Any) -> Any:
     """`sdiloco.lab.train.build`, under the standard dtype promotion optax's Adam needs."""
+    from sdiloco.lab import train
+
     with jax.numpy_dtype_promotion("standard"):
         return train.build(config)
 
@@ -82,6 +85,7 @@ def fresh(tree: Any) -> Any:
 
 def inner_only(inner: Any) -> Callable[[Any, Any], tuple[Any, dict]]:
     """A step of `sdiloco.inner.inner_steps` alone: Streaming with no sync machinery."""
+    from sdiloco.lab import model as model_lib
 
     def step(state, b):
         replicas, inner_state, losses, _ = inner_steps(

@@ -111,8 +111,13 @@ def jit_step(
     def step(state: Any, batch: Batch) -> tuple[Any, Metrics]:
         nonlocal copied
         if not copied:
-            state = jax.tree.map(
-                lambda x: jnp.array(x) if eqx.is_array(x) else x, state
+            state = jax.tree.map(  # a copy in the same place (device or host memory)
+                lambda x: (
+                    jax.device_put(x, x.sharding, may_alias=False)
+                    if isinstance(x, jax.Array)
+                    else (jnp.array(x) if eqx.is_array(x) else x)
+                ),
+                state,
             )
             copied = True
         return jitted(batch, state)

@@ -13,6 +13,8 @@ global norm) see that fragment alone. Its state must mirror the parameters (true
 optax's element-wise optimizers; not of factored ones such as adafactor).
 """
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -45,6 +47,8 @@ def fragment_outer_step(
     params: Params,
     state: optax.OptState,
     outer_grad: list[Array],
+    fetch: Callable[[Array], Array] = lambda x: x,
+    store: Callable[[Array], Array] = lambda x: x,
 ) -> tuple[Params, optax.OptState]:
     """One outer step of fragment p on its elements only (Alg. 2, l.11).
 
@@ -61,6 +65,9 @@ def fragment_outer_step(
         params: the global parameters θ_g (inexact arrays only).
         state: the per-fragment outer state from `outer_init`.
         outer_grad: the averaged outer gradient Δ̄ of the fragment, as its pieces.
+        fetch: applied to every piece read from `params` and `state` (e.g. a move
+            from host memory to the device, when they are offloaded).
+        store: applied to every piece before it is written back (e.g. the move back).
 
     Returns:
         The new global parameters and outer state.
@@ -70,7 +77,7 @@ def fragment_outer_step(
 
     def piece(x, i):
         if i in position:
-            return group.gather_one(position[i], x, j)
+            return fetch(group.gather_one(position[i], x, j))
         return jnp.zeros((0,), x.dtype)
 
     pieces = [piece(x, i) for i, x in enumerate(leaves)]
@@ -80,7 +87,9 @@ def fragment_outer_step(
     ]
     param_index = _param_index(outer, params, state)
     s_leaves, s_def = jax.tree.flatten(state)
-    s_pieces = [x[p] if i < 0 else piece(x, i) for x, i in zip(s_leaves, param_index)]
+    s_pieces = [
+        fetch(x[p]) if i < 0 else piece(x, i) for x, i in zip(s_leaves, param_index)
+    ]
     updates, new_state = outer.update(
         jax.tree.unflatten(treedef, grads),
         jax.tree.unflatten(s_def, s_pieces),
@@ -91,13 +100,13 @@ def fragment_outer_step(
         if i in position:
             x = pieces[i]
             new = (x + u.astype(x.dtype)).astype(x.dtype)
-            new_leaves[i] = group.scatter_one(position[i], leaves[i], j, new)
+            new_leaves[i] = group.scatter_one(position[i], leaves[i], j, store(new))
     out_state = []
     for old, new, i in zip(s_leaves, jax.tree.leaves(new_state), param_index):
         if i < 0:
-            out_state.append(old.at[p].set(new))
+            out_state.append(old.at[p].set(store(new)))
         elif i in position:
-            out_state.append(group.scatter_one(position[i], old, j, new))
+            out_state.append(group.scatter_one(position[i], old, j, store(new)))
         else:
             out_state.append(old)
     return jax.tree.unflatten(treedef, new_leaves), jax.tree.unflatten(s_def, out_state)

@@ -94,6 +94,15 @@ class StreamingSpec(NamedTuple):
     nonfinite: str
     has_aux: bool
     exchange: Exchange
+    offload: bool = False
+
+    def fetch(self, x: Array) -> Array:
+        """A piece of θ_g or of the outer state, moved to the device if offloaded."""
+        return jax.device_put(x, jax.memory.Space.Device) if self.offload else x
+
+    def store(self, x: Array) -> Array:
+        """A piece to write into θ_g or the outer state, moved to host if offloaded."""
+        return jax.device_put(x, jax.memory.Space.Host) if self.offload else x
 
     @property
     def num_replicas(self) -> int:
@@ -125,6 +134,7 @@ def streaming_diloco(
     nonfinite: str = "skip",
     has_aux: bool = False,
     exchange: Exchange = communication.simulated_exchange,
+    offload: bool = False,
 ) -> Algorithm:
     """Streaming DiLoCo (Alg. 2) with overlapped, compressed fragment syncs.
 
@@ -156,6 +166,13 @@ def streaming_diloco(
         exchange: how replicas exchange outer gradients (an `Exchange`); the default
             simulates all replicas on one device, `distributed.sharded_exchange`
             moves the packed low-bit payload between devices and hosts.
+        offload: keep θ_g and the outer optimizer state in host memory (the
+            `pinned_host` memory kind) and move only the pieces of the fragment being
+            synchronised to the device, for its Δ, outer step and merge (docs/paper.md
+            §2.5's offloading). The numbers are bitwise those without offload; the
+            device then holds the replicas, their inner state, the in-flight slots
+            and one fragment at a time. Needs a backend with host memory kinds
+            (GPU, TPU; on CPU host and device memory are the same RAM).
 
     Returns:
         The `Algorithm`.
@@ -181,6 +198,7 @@ def streaming_diloco(
         nonfinite=nonfinite,
         has_aux=has_aux,
         exchange=exchange,
+        offload=offload,
     )
 
     def init(params: Params, key: PRNGKeyArray | None = None) -> StreamingState:
@@ -259,10 +277,16 @@ def streaming_init(
         residual = jax.tree.map(
             lambda x: jnp.zeros((spec.num_replicas,) + x.shape, _wide(x)), arrays
         )
+    global_params, outer_state = (
+        params,
+        outer_init(spec.outer, arrays, frags.num_fragments),
+    )
+    if spec.offload:
+        global_params, outer_state = _to_host((global_params, outer_state))
     return StreamingState(
         step=jnp.zeros((), jnp.int32),
-        global_params=params,
-        outer_state=outer_init(spec.outer, arrays, frags.num_fragments),
+        global_params=global_params,
+        outer_state=outer_state,
         replica_params=replicas,
         inner_state=eqx.filter_vmap(spec.inner.init)(
             eqx.filter(replicas, eqx.is_inexact_array)
@@ -284,6 +308,11 @@ def streaming_step(
     state, sent = send(spec, state)
     state, applied, failed = outer_update(spec, state)
     state, merged = merge_arrivals(spec, state)
+    if spec.offload:  # the outputs stay in host memory
+        state = state._replace(
+            global_params=_to_host(state.global_params),
+            outer_state=_to_host(state.outer_state),
+        )
     frags = spec.fragments_of(eqx.filter(state.global_params, eqx.is_inexact_array))
     bits = np.asarray(communication.bits_per_fragment(spec.compressor, frags), float)
     metrics = {
@@ -344,9 +373,8 @@ def send(
 
     def one(group, j, p, carry):
         slots, ok, residual = carry
-        deltas = communication.outer_gradients(
-            group.gather(g_leaves, j), group.gather(r_leaves, j, axis=1)
-        )
+        g = [spec.fetch(x) for x in group.gather(g_leaves, j)]
+        deltas = communication.outer_gradients(g, group.gather(r_leaves, j, axis=1))
         if residual is not None:
             deltas = [d + e for d, e in zip(deltas, group.gather(residual, j, axis=1))]
         key = jr.fold_in(jr.fold_in(state.key, t), p)
@@ -400,7 +428,9 @@ def outer_update(
 
     def one(group, j, p, carry):
         grad = layout.read(state.inflight, group, p)
-        return fragment_outer_step(spec.outer, group, j, p, *carry, grad)
+        return fragment_outer_step(
+            spec.outer, group, j, p, *carry, grad, spec.fetch, spec.store
+        )
 
     g_arrays, outer_state = layout.for_each(applied, one, (g_arrays, state.outer_state))
     state = state._replace(
@@ -432,7 +462,8 @@ def merge_arrivals(
 
     def one(group, j, p, r_leaves):
         new = []
-        for r, g in zip(group.gather(r_leaves, j, axis=1), group.gather(g_leaves, j)):
+        g_pieces = [spec.fetch(x) for x in group.gather(g_leaves, j)]
+        for r, g in zip(group.gather(r_leaves, j, axis=1), g_pieces):
             due = merging[:, p].reshape((-1,) + (1,) * g.ndim)
             ok = keep[p].reshape((1,) * g.ndim)
             new.append(merge(r, g, due, ok, spec.alpha))
@@ -483,6 +514,14 @@ def _check_options(alpha, nonfinite, compressor, error_feedback, fragments):
     if fragments is not None and not isinstance(fragments, Fragments):
         raise ValueError(f"fragments={fragments!r} is not a Fragments.")
     return compressor
+
+
+def _to_host(tree: Any) -> Any:
+    """The array leaves of `tree` in host memory (`pinned_host`), others unchanged."""
+    return jax.tree.map(
+        lambda x: jax.device_put(x, jax.memory.Space.Host) if eqx.is_array(x) else x,
+        tree,
+    )
 
 
 def _leaves(params: Params) -> list[Array]:
