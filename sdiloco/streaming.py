@@ -171,8 +171,9 @@ def streaming_diloco(
             synchronised to the device, for its Δ, outer step and merge (docs/paper.md
             §2.5's offloading). The numbers are bitwise those without offload; the
             device then holds the replicas, their inner state, the in-flight slots
-            and one fragment at a time. Needs a backend with host memory kinds
-            (GPU, TPU; on CPU host and device memory are the same RAM).
+            and one fragment at a time. Works on a mesh too (the sharded state
+            keeps θ_g and the outer state in host memory). Needs a backend with host
+            memory kinds (GPU, TPU; on CPU host and device memory are the same RAM).
 
     Returns:
         The `Algorithm`.

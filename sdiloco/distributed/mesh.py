@@ -135,7 +135,8 @@ def state_shardings(state: Any, mesh: Mesh, *, fsdp: bool = False) -> Any:
     their leading axis M over `"replica"`; with `fsdp`, each is also split over
     `"data"` along its largest other axis that D divides (none: kept whole in the
     island). Everything else (θ_g, the outer state, the in-flight slots, step counters,
-    all of a `DataParallelState`) is replicated on every device.
+    all of a `DataParallelState`) is replicated on every device, in the memory kind its
+    array has (θ_g and the outer state stay in host memory when offloaded).
 
     Raises:
         ValueError: for a state that does not declare its `replica_fields`.
@@ -147,8 +148,13 @@ def state_shardings(state: Any, mesh: Mesh, *, fsdp: bool = False) -> Any:
             "`replica_fields` class attribute (an `AlgorithmState`)."
         )
     fields = type(state).replica_fields
-    whole = NamedSharding(mesh, PartitionSpec())
     data = mesh.shape[DATA]
+
+    def whole(x):  # replicated, in the memory it lives in (host when offloaded)
+        host = getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
+        return NamedSharding(
+            mesh, PartitionSpec(), memory_kind="pinned_host" if host else None
+        )
 
     def split(x):
         spec = [AXIS] + [None] * (x.ndim - 1)
@@ -162,7 +168,7 @@ def state_shardings(state: Any, mesh: Mesh, *, fsdp: bool = False) -> Any:
         *(
             jax.tree.map(
                 lambda x, replica=name in fields: (
-                    (split(x) if replica else whole) if eqx.is_array(x) else None
+                    (split(x) if replica else whole(x)) if eqx.is_array(x) else None
                 ),
                 getattr(state, name),
             )
