@@ -168,8 +168,8 @@ def streaming_diloco(
             moves the packed low-bit payload between devices and hosts.
         offload: keep θ_g and the outer optimizer state in host memory (the
             `pinned_host` memory kind) and move only the pieces of the fragment being
-            synchronised to the device, for its Δ, outer step and merge (docs/paper.md
-            §2.5's offloading). The numbers are bitwise those without offload; the
+            synchronised to the device, for its Δ, outer step and merge (the paper's
+            offloading, docs/paper.md §1.10). The numbers are bitwise those without offload; the
             device then holds the replicas, their inner state, the in-flight slots
             and one fragment at a time. Works on a mesh too (the sharded state
             keeps θ_g and the outer state in host memory). Needs a backend with host
