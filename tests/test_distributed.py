@@ -387,3 +387,25 @@ def test_two_processes_equal_single_process(tmp_path):
         # ...and, within float32 rounding, the vmapped single-device simulation.
         np.testing.assert_allclose(got[k], simulated[k], **TOL)
     assert not np.allclose(got["['v']"], np.asarray(params["v"]))
+
+
+def test_collectives_name_the_mesh_axes_of_every_group_format():
+    # The three ways XLA writes device groups, and collective-permute's pairs.
+    mesh = distributed.replica_mesh(2, data=2)  # devices 0,1 | 2,3 (rows: replicas)
+    lines = [
+        (("replica",), "replica_groups={{0,2},{1,3}}"),
+        (("data",), "replica_groups={{0,1},{2,3}}"),
+        (("data",), "replica_groups=[2,2]<=[4]"),
+        (("replica", "data"), "replica_groups={}"),
+        (("replica",), "replica_groups=[2,2]<=[2,2]T(1,0)"),
+    ]
+    for axes, groups in lines:
+        text = f"  %ag = f32[4]{{0}} all-gather(f32[2]{{0}} %x), {groups}, dimensions={{0}}"
+        (c,) = distributed.collectives(text, mesh)
+        assert c.axes == axes, (groups, c.axes)
+    named = "  %ar = f32[4]{0} all-reduce(%x), replica_groups=mesh['axis_0'=2,'axis_1'=2] {'axis_1'}"
+    assert distributed.collectives(named, mesh)[0].axes == ("data",)
+    permute = (
+        "  %cp = f32[4]{0} collective-permute(%x), source_target_pairs={{0,2},{2,0}}"
+    )
+    assert distributed.collectives(permute, mesh)[0].axes == ("replica",)

@@ -73,6 +73,8 @@ def collectives(hlo_text: str, mesh: Any = None) -> list[Collective]:
         if not match:
             continue
         groups = _groups(line)
+        if not groups and mesh is not None:  # no groups named: every device
+            groups = [list(range(mesh.size))]
         size = len(groups[0]) if groups else 1
         axes = None if mesh is None else _axes(groups, mesh)
         name = re.search(r'op_name="([^"]*)"', line)
@@ -148,6 +150,12 @@ def wire_bytes(hlo_text: str, num_replicas: int, mesh: Any = None) -> dict[int, 
 
 def _groups(line: str) -> list[list[int]] | None:
     """The device groups of an HLO collective, or None if it names none."""
+    pairs = re.search(r"source_target_pairs=\{((?:\{[\d,]*\},?)*)\}", line)
+    if pairs:  # collective-permute: each (source, target) pair is a group
+        return [
+            [int(i) for i in g.split(",") if i]
+            for g in re.findall(r"\{([\d,]*)\}", pairs[1])
+        ]
     explicit = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", line)
     if explicit:
         return [
@@ -178,11 +186,14 @@ def _groups(line: str) -> list[list[int]] | None:
 
 
 def _axes(groups: list[list[int]] | None, mesh: Any) -> tuple[str, ...]:
-    """The mesh axes along which the devices of a group differ."""
+    """The mesh axes along which the devices of some group differ."""
     if not groups:
         return ()
     shape = tuple(mesh.devices.shape)
-    coords = np.array(np.unravel_index(np.asarray(groups[0]), shape))  # [axes, n]
-    return tuple(
-        name for name, c in zip(mesh.axis_names, coords) if len(set(c.tolist())) > 1
-    )
+    varying = set()
+    for group in groups:
+        coords = np.array(np.unravel_index(np.asarray(group), shape))  # [axes, n]
+        varying |= {
+            n for n, c in zip(mesh.axis_names, coords) if len(set(c.tolist())) > 1
+        }
+    return tuple(n for n in mesh.axis_names if n in varying)

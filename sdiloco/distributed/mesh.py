@@ -132,11 +132,14 @@ def state_shardings(state: Any, mesh: Mesh, *, fsdp: bool = False) -> Any:
 
     The leaves of the fields the state declares in `replica_fields` (e.g.
     `replica_params`, `inner_state`, `residual` of a `StreamingState`) are split along
-    their leading axis M over `"replica"`; with `fsdp`, each is also split over
-    `"data"` along its largest other axis that D divides (none: kept whole in the
-    island). Everything else (θ_g, the outer state, the in-flight slots, step counters,
-    all of a `DataParallelState`) is replicated on every device, in the memory kind its
-    array has (θ_g and the outer state stay in host memory when offloaded).
+    their leading axis M over `"replica"`. Everything else (θ_g, the outer state, the
+    in-flight slots, step counters, all of a `DataParallelState`) is replicated over
+    `"replica"` (every island keeps its copy, as every worker of the paper does), in the
+    memory kind its array has (θ_g and the outer state stay in host memory when
+    offloaded). With `fsdp`, each replica leaf is also split over `"data"` along its
+    largest axis after M that D divides (none: kept whole in the island), and so is
+    every leaf of a state without replica fields (Data-Parallel, whose one state all
+    replicas share); a DiLoCo island's θ_g and outer state stay whole in the island.
 
     Raises:
         ValueError: for a state that does not declare its `replica_fields`.
@@ -150,25 +153,31 @@ def state_shardings(state: Any, mesh: Mesh, *, fsdp: bool = False) -> Any:
     fields = type(state).replica_fields
     data = mesh.shape[DATA]
 
-    def whole(x):  # replicated, in the memory it lives in (host when offloaded)
-        host = getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
-        return NamedSharding(
-            mesh, PartitionSpec(), memory_kind="pinned_host" if host else None
-        )
+    # Shared leaves are split too only where every replica shares them (Data-Parallel):
+    # a DiLoCo island's own θ_g and outer state split over "data" would be gathered
+    # across islands in float32 by XLA, around the low-bit exchange.
+    split_shared = not fields
 
-    def split(x):
-        spec = [AXIS] + [None] * (x.ndim - 1)
-        if fsdp and data > 1:
-            axes = [a for a in range(1, x.ndim) if x.shape[a] % data == 0]
+    def spec(x, replica):
+        out = [AXIS if replica else None] + [None] * (x.ndim - 1)
+        if fsdp and data > 1 and (replica or split_shared):
+            first = 1 if replica else 0
+            axes = [a for a in range(first, x.ndim) if x.shape[a] % data == 0]
             if axes:
-                spec[max(axes, key=lambda a: x.shape[a])] = DATA
-        return NamedSharding(mesh, PartitionSpec(*spec))
+                out[max(axes, key=lambda a: x.shape[a])] = DATA
+        return PartitionSpec(*out[: x.ndim]) if x.ndim else PartitionSpec()
+
+    def sharding(x, replica):
+        # Shared leaves stay in the memory they live in (host when offloaded).
+        host = getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
+        kind = "pinned_host" if host and not replica else None
+        return NamedSharding(mesh, spec(x, replica), memory_kind=kind)
 
     return type(state)(
         *(
             jax.tree.map(
                 lambda x, replica=name in fields: (
-                    (split(x) if replica else whole(x)) if eqx.is_array(x) else None
+                    sharding(x, replica) if eqx.is_array(x) else None
                 ),
                 getattr(state, name),
             )
