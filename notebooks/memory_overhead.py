@@ -331,7 +331,9 @@ for model_name in MODELS:
     param_bytes = 4.0 * sum(int(x.size) for x in jax.tree.leaves(run.model))
     dp_bytes = sum(
         sdiloco.per_replica_bytes(
-            train.build(config_lib.preset("data_parallel", model=model_name)).init_state()
+            train.build(
+                config_lib.preset("data_parallel", model=model_name)
+            ).init_state()
         ).values()
     )
     for offload in (False, True):
