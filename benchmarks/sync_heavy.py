@@ -10,6 +10,13 @@ baseline is the same AdamW on M independent replicas, vmapped and jitted with th
 donated: the same inner work without any sync. Runs alternate (baseline, streaming,
 baseline, ...) and each times `steps` steps after a warm-up; the ratio is the
 baseline's wall time over streaming's (1.0: syncs are free), per pair of runs.
+
+It also times the floor of a sync on this workload: the same arithmetic on contiguous
+arrays of one fragment's size, with no gathers, loops or branches (a send: Δ of M
+replicas, E3M0 quantization with `sdiloco.quantizer`, the mean; an arrival: the outer
+Nesterov step and the α-merge of M replicas), and prints the best ratio any
+implementation doing that work could reach: `H · plain / (H · plain + P · (send +
+arrival))`.
 """
 
 import argparse
@@ -95,7 +102,48 @@ def main() -> None:
         f"\nplain ÷ streaming over {args.runs} interleaved runs of {args.steps} steps: "
         f"median {np.median(ratios):.3f}, range {min(ratios):.3f}-{max(ratios):.3f}"
     )
+    send, arrive = sync_floor(m, int(frags.sizes()[1]))
+    step = np.median([run("plain") for _ in range(3)]) / args.steps
+    bound = h * step / (h * step + 2 * (send + arrive))
+    print(
+        f"floor of one sync of a {int(frags.sizes()[1]):,}-value fragment: send "
+        f"{send * 1e3:.2f} ms, arrival {arrive * 1e3:.2f} ms; plain step "
+        f"{step * 1e3:.2f} ms; best reachable ratio {bound:.3f}"
+    )
     print(f"at the end: {_common.machine()}")
+
+
+def sync_floor(m: int, n: int, reps: int = 30) -> tuple[float, float]:
+    """Median seconds of the bare arithmetic of one send and one arrival of n values."""
+    q = sdiloco.quantizer("e3m0")
+    outer = optax.sgd(0.4, momentum=0.9, nesterov=True)
+    g = jr.normal(jr.key(0), (n,))
+    reps_m = jr.normal(jr.key(1), (m, n))
+    mom = outer.init(g)
+
+    @jax.jit
+    def send(g, r):
+        delta = g[None] - r
+        return jnp.mean(jax.vmap(q)(delta), axis=0)
+
+    @jax.jit
+    def arrive(g, mom, grad, r):
+        u, mom = outer.update(grad, mom, g)
+        g = g + u
+        return g, mom, 0.5 * r + 0.5 * g[None]
+
+    grad = send(g, reps_m)
+    jax.block_until_ready(arrive(g, mom, grad, reps_m))
+    times = {"send": [], "arrive": []}
+    for _ in range(reps):
+        for kind, fn in (
+            ("send", lambda: send(g, reps_m)),
+            ("arrive", lambda: arrive(g, mom, grad, reps_m)),
+        ):
+            start = time.perf_counter()
+            jax.block_until_ready(fn())
+            times[kind].append(time.perf_counter() - start)
+    return float(np.median(times["send"])), float(np.median(times["arrive"]))
 
 
 if __name__ == "__main__":
