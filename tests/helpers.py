@@ -1,6 +1,10 @@
 """Shared test helpers: a toy stacked-block model with a closed-form gradient, tree checks."""
 
+import os
 import socket
+import subprocess
+import sys
+import time
 
 import equinox as eqx
 import jax
@@ -121,3 +125,48 @@ def toy_streaming(params, *, num_replicas, layers_per_fragment=1, **kwargs):
         alpha=0.5,
     )
     return sdiloco.streaming_diloco(toy_loss, **{**options, **kwargs})
+
+
+def cpu_env(devices: int, *paths: str) -> dict:
+    """The environment of a test subprocess: CPU only, `devices` CPU devices, and
+    `paths` (the repository, the tests) on PYTHONPATH."""
+    return dict(
+        os.environ,
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=os.pathsep.join(paths),
+    )
+
+
+def start_processes(argv, num_processes: int, env: dict, cwd) -> list:
+    """Start `python *argv(i)` for i in range(num_processes), output captured."""
+    return [
+        subprocess.Popen(
+            [sys.executable, *argv(i)],
+            env=env,
+            cwd=cwd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(num_processes)
+    ]
+
+
+def finish_processes(procs, timeout: float) -> list[str]:
+    """The processes' outputs; fails on a non-zero exit, and kills any still running
+    past `timeout` seconds (so a hung job fails the test instead of hanging it)."""
+    deadline = time.monotonic() + timeout
+    outputs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            outputs.append(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    for p, out in zip(procs, outputs):
+        assert p.returncode == 0, out[-4000:]
+    return outputs

@@ -15,11 +15,8 @@ program; an all-gather moves bytes exactly).
 
 import contextlib
 import math
-import os
 import pathlib
 import socket
-import subprocess
-import sys
 import time
 
 import distributed_worker
@@ -31,8 +28,11 @@ import numpy as np
 import optax
 import pytest
 from helpers import (
+    cpu_env,
+    finish_processes,
     free_port,
     relaxed,
+    start_processes,
     toy_batches,
     toy_loss,
     toy_params,
@@ -313,45 +313,6 @@ def test_process_replicas_single_process():
 # ---------------------------------------------------------------- multiple processes
 
 
-def _start(args, num_processes=2):
-    """Start `num_processes` processes `python args(i)` on one CPU device each."""
-    env = dict(
-        os.environ,
-        XLA_FLAGS="--xla_force_host_platform_device_count=1",
-        JAX_PLATFORMS="cpu",
-        PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
-    )
-    return [
-        subprocess.Popen(
-            [sys.executable, *args(i)],
-            env=env,
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for i in range(num_processes)
-    ]
-
-
-def _wait(procs, deadline):
-    """Outputs of the processes; fails on a non-zero exit or past the deadline."""
-    outputs = []
-    for p in procs:
-        out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        outputs.append(out)
-    for p, out in zip(procs, outputs):
-        assert p.returncode == 0, out[-4000:]
-    return outputs
-
-
-def _kill(procs):
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-
-
 def test_free_port_is_bindable():
     port = free_port()
     assert 0 < port < 65536
@@ -364,8 +325,13 @@ def test_two_processes_equal_single_process(tmp_path):
     port = free_port()
     out = tmp_path / "params.npz"
     worker = str(ROOT / "tests" / "distributed_worker.py")
-    deadline = time.monotonic() + 180
-    procs = _start(lambda i: [worker, f"127.0.0.1:{port}", "2", str(i), str(out)])
+    start = time.monotonic()
+    procs = start_processes(
+        lambda i: [worker, f"127.0.0.1:{port}", "2", str(i), str(out)],
+        2,
+        cpu_env(1, str(ROOT), str(ROOT / "tests")),
+        ROOT,
+    )
     try:
         # The references, computed here while the two processes run.
         mesh = distributed.replica_mesh(2, jax.devices()[:2])
@@ -376,9 +342,8 @@ def test_two_processes_equal_single_process(tmp_path):
         for batch in batches:
             state, _ = step(state, batch)
         simulated = distributed_worker._flat(_host(state.global_params))
-        _wait(procs, deadline)
-    finally:
-        _kill(procs)
+    finally:  # kills them past 180 s, and on an error above
+        finish_processes(procs, timeout=max(1.0, 180 - (time.monotonic() - start)))
     got = dict(np.load(out))
     assert got.keys() == sharded.keys() == simulated.keys()
     for k in got:

@@ -29,7 +29,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from helpers import free_port
+from helpers import cpu_env, finish_processes, free_port, start_processes
 
 import sdiloco
 from sdiloco.lab import cluster, config as config_lib, train
@@ -98,56 +98,28 @@ def _assert_close(a, b):
 
 
 def _env(devices):
-    return dict(
-        os.environ,
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-        JAX_PLATFORMS="cpu",
-        PYTHONPATH=ROOT,
-    )
+    return cpu_env(devices, ROOT)
 
 
 def _start_job(out_dir, port, *, num_processes=2, devices=2, extra=()):
     """The same CLI command once per process, as a user would start them."""
-    return [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "sdiloco",
-                "train",
-                *FLAGS,
-                f"--out={out_dir}",
-                f"--coordinator=127.0.0.1:{port}",
-                f"--num-processes={num_processes}",
-                f"--process-id={i}",
-                "--init-timeout=60",
-                *extra,
-            ],
-            env=_env(devices),
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for i in range(num_processes)
-    ]
-
-
-def _finish(procs, timeout):
-    deadline = time.monotonic() + timeout
-    outputs = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            outputs.append(out)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for p, out in zip(procs, outputs):
-        assert p.returncode == 0, out[-3000:]
-    return outputs
+    return start_processes(
+        lambda i: [
+            "-m",
+            "sdiloco",
+            "train",
+            *FLAGS,
+            f"--out={out_dir}",
+            f"--coordinator=127.0.0.1:{port}",
+            f"--num-processes={num_processes}",
+            f"--process-id={i}",
+            "--init-timeout=60",
+            *extra,
+        ],
+        num_processes,
+        _env(devices),
+        ROOT,
+    )
 
 
 def _steps(out_dir):
@@ -266,7 +238,7 @@ def two_processes(tmp_path_factory):
             time.sleep(0.5)
     else:
         try:
-            outputs = _finish(_start_job(out, free_port()), timeout=400)
+            outputs = finish_processes(_start_job(out, free_port()), timeout=400)
             printed = ["summary" in o for o in outputs]
             (base / "two_processes.printed").write_text(json.dumps(printed))
         finally:
@@ -313,7 +285,7 @@ def test_sigkill_every_process_then_resume_is_bitwise(two_processes, tmp_path):
     _, state = _final_state(out)
     assert int(state.step) in np.asarray(state.sent_at).tolist()
     shutil.copytree(out, tmp_path / "copy")  # for the layout test below
-    _finish(_start_job(out, port), timeout=400)  # the same commands again
+    finish_processes(_start_job(out, port), timeout=400)  # the same commands again
     params, final = _final_state(out)
     assert int(final.step) == STEPS
     _assert_equal(params, two_processes["params"])
