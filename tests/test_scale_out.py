@@ -389,3 +389,18 @@ def test_processes_that_disagree_on_the_job_size_are_told(tmp_path):
     assert [p.returncode for p in procs] == [1, 1]
     for err in errors:
         assert "num_processes=3, process 0 with 2" in err.strip().splitlines()[-1]
+
+
+def test_connect_checks_its_arguments_before_waiting():
+    cluster.connect()  # a single-process run: nothing to join
+    assert jax.process_count() == 1
+    for kwargs, message in [
+        (dict(coordinator="h:1", auto=True), "auto=True detects the coordinates"),
+        (dict(coordinator="h:1", num_processes=2), r"missing: \['process_id'\]"),
+        (dict(coordinator="h:0", num_processes=2, process_id=0), "HOST:PORT"),
+        (dict(coordinator="h:1", num_processes=0, process_id=0), "num_processes=0"),
+        (dict(coordinator="h:1", num_processes=2, process_id=-1), "process_id=-1"),
+        (dict(timeout_s=0), "timeout_s=0"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            cluster.connect(**kwargs)
