@@ -22,6 +22,7 @@ each what is wrong) and only then starts the runtime on that port.
 """
 
 import dataclasses
+import functools
 import json
 import socket
 import time
@@ -185,7 +186,7 @@ class Placement:
         """Whether this process writes the run's files and shows its progress."""
         return jax.process_index() == 0
 
-    @property
+    @functools.cached_property
     def local_replicas(self) -> list[int]:
         """The replicas whose batches this process reads."""
         if self.mesh is None:
