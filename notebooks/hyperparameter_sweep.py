@@ -166,3 +166,123 @@ for i, size in enumerate(SIZES):
 axs[0, 0].legend(fontsize=8)
 fig.tight_layout()
 plotting.save_figure(fig, "hyperparameter_sweep", notebook=NOTEBOOK, seeds=SEEDS)
+
+# %% [markdown]
+# ## The headline: each method at its tuned setting, on the held-out split
+#
+# Each method is trained at the setting chosen above, with three seeds, and evaluated on
+# the held-out split (never seen by the search). The gap is Streaming's (or DiLoCo's)
+# held-out loss minus Data-Parallel's, paired by seed: its mean and 95 % t-interval.
+# At the tuning budget and, for tiny-xxs, at a quarter and four times the tokens per
+# parameter with the same settings and the same 50 outer rounds (so H grows with the
+# budget). The paper's claim is a gap of about 1 %, our goal within 2 %.
+
+# %%
+BUDGETS = (
+    {"tiny-xxs": (REGIME.tokens_per_param,)}
+    if FAST
+    else {
+        "tiny-xxs": (5.0, 20.0, 80.0),
+        "tiny-xs": (20.0,),
+    }
+)
+HEADLINE_SEEDS = (0, 1) if FAST else (0, 1, 2)
+headline_rows = []
+for size, budgets in BUDGETS.items():
+    for tpp in budgets:
+        budget = None
+        if tpp != REGIME.tokens_per_param:
+            budget = tuning.Regime(tpp, REGIME.rounds)
+        losses = tuning.headline(
+            size, regime=REGIME, seeds=HEADLINE_SEEDS, budget=budget, axes=axes
+        )
+        dp = losses["Data-Parallel"]
+        for name, values in losses.items():
+            if name == "Data-Parallel":
+                continue
+            gap = tuning.paired_gap(dp, values)
+            dp_mean = sum(dp) / len(dp)
+            headline_rows.append(
+                {
+                    "model": size,
+                    "tokens/param": tpp,
+                    "rounds": REGIME.rounds,
+                    "method": name,
+                    "Data-Parallel loss": round(dp_mean, 4),
+                    "method loss": round(sum(values) / len(values), 4),
+                    "gap": round(gap["mean"], 4),
+                    "95 % interval": f"[{gap['low']:+.3f}, {gap['high']:+.3f}]",
+                    "gap %": round(100 * gap["relative"], 2),
+                    "interval % low": round(100 * gap["low"] / dp_mean, 2),
+                    "interval % high": round(100 * gap["high"] / dp_mean, 2),
+                    "seeds": len(values),
+                }
+            )
+plotting.save_table(
+    headline_rows,
+    "hyperparameter_sweep_headline",
+    title="Held-out gap to Data-Parallel at the tuned settings (seed-paired)",
+    notes=(
+        "Each method at its tuned setting (validation split), trained again with "
+        "the listed seeds and evaluated on the held-out split; gap = method − "
+        "Data-Parallel held-out loss (nats/byte), paired by seed, mean and 95 % "
+        "t-interval. Rounds: outer rounds of the DiLoCo family (H = steps / rounds)."
+    ),
+    notebook=NOTEBOOK,
+    seeds=HEADLINE_SEEDS,
+)
+print(plotting.markdown_table(headline_rows))
+
+# %%
+fig, ax = plt.subplots(figsize=(6.0, 3.6))
+markers = {"tiny-xxs": "o", "tiny-xs": "s"}
+for r in headline_rows:
+    x = r["tokens/param"] * (1.04 if r["method"] == "DiLoCo" else 0.96)
+    ax.errorbar(
+        x,
+        r["gap %"],
+        yerr=[[r["gap %"] - r["interval % low"]], [r["interval % high"] - r["gap %"]]],
+        marker=markers.get(r["model"], "^"),
+        color=colors[r["method"]],
+        capsize=3,
+        linestyle="none",
+    )
+for name in ("DiLoCo", "Streaming FP4"):
+    for size, m in markers.items():
+        ax.plot(
+            [],
+            [],
+            marker=m,
+            color=colors[name],
+            linestyle="none",
+            label=f"{name}, {size}",
+        )
+ax.axhline(0, color="black", lw=0.8)
+ax.axhspan(-2, 2, color="tab:green", alpha=0.1, label="within 2 % (our goal)")
+ax.set_xscale("log")
+budgets = sorted({r["tokens/param"] for r in headline_rows})
+ax.set_xticks(budgets, [f"{b:g}" for b in budgets])
+ax.minorticks_off()
+ax.set_xlabel(f"tokens per parameter ({REGIME.rounds} outer rounds)")
+ax.set_ylabel("held-out loss gap to Data-Parallel (%)")
+ax.set_title("Gap against the training budget, tuned settings")
+ax.legend(fontsize=7)
+fig.tight_layout()
+plotting.save_figure(
+    fig,
+    "hyperparameter_sweep_headline",
+    notebook=NOTEBOOK,
+    seeds=HEADLINE_SEEDS,
+    results=headline_rows,
+)
+
+# %% [markdown]
+# **What it shows.** At the tuned settings, 50 outer rounds and 3 seeds, Streaming
+# DiLoCo with overlapped FP4 trails Data-Parallel on the held-out split at every budget
+# measured: +5.7 % on tiny-xxs (95 % interval −1.3 to +12.7 %) and +5.2 % on tiny-xs
+# (+1.0 to +9.4 %) at 20 tokens per parameter, +5.3 % and +3.2 % (+1.6 to +4.8 %) on
+# tiny-xxs at 5 and 80. DiLoCo is further behind at small budgets (+15.4 %, +13.5 %)
+# and level with Streaming at 80 (+2.8 %). The goal of 2 % is not reached. The gap
+# shrinks with the budget, but the number of outer rounds is held at 50 here, so this
+# plot cannot separate the budget from the rounds; runs at other round counts, and
+# larger sizes, are the next sweeps.

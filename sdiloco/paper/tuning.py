@@ -258,19 +258,22 @@ def headline(
     seeds: Sequence[int] = (0, 1, 2),
     metric: str = "eval/global",
     budget: Regime | None = None,
+    axes: Callable[[str], Sequence[Axis]] | None = None,
 ) -> dict[str, list[float]]:
     """Each method at its tuned setting, evaluated on the held-out split, per seed.
 
     The tuned setting is the protocol's at `regime` (`tune`, read from its records);
     the evaluation split changes (`DataConfig.validation=False`) and, with a `budget`,
     so do the steps and H (e.g. 4x the tokens per parameter at the same settings).
+    `axes(preset)` gives the axes the search swept (default `standard_axes`).
 
     Returns:
         Method name → the final `metric` of each seed, in `seeds` order.
     """
     out = {}
     for name, preset in PRESETS.items():
-        best = tune(preset, model, regime=regime).best
+        swept = None if axes is None else axes(preset)
+        best = tune(preset, model, regime=regime, axes=swept).best
         config = best.replace(data={"validation": False})
         if budget is not None:
             config = budget.apply(config)
