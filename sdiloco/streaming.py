@@ -169,11 +169,12 @@ def streaming_diloco(
         offload: keep θ_g and the outer optimizer state in host memory (the
             `pinned_host` memory kind) and move only the pieces of the fragment being
             synchronised to the device, for its Δ, outer step and merge (the paper's
-            offloading, docs/paper.md §1.10). The numbers are bitwise those without offload; the
-            device then holds the replicas, their inner state, the in-flight slots
-            and one fragment at a time. Works on a mesh too (the sharded state
-            keeps θ_g and the outer state in host memory). Needs a backend with host
-            memory kinds (GPU, TPU; on CPU host and device memory are the same RAM).
+            offloading, docs/paper.md §1.10). The numbers are bitwise those without
+            offload; the device then holds the replicas, their inner state, the
+            in-flight slots and one fragment at a time. Works on a mesh too (the
+            sharded state keeps θ_g and the outer state in host memory). Needs a
+            backend with host memory kinds (GPU, TPU; on CPU host and device memory
+            are the same RAM).
 
     Returns:
         The `Algorithm`.
@@ -226,11 +227,13 @@ def diloco(
     nonfinite: str = "skip",
     has_aux: bool = False,
     exchange: Exchange = communication.simulated_exchange,
+    offload: bool = False,
 ) -> Algorithm:
     """Vanilla DiLoCo (Douillard et al., 2023; Alg. 1): P = 1, τ = 0, α = 0, fp32.
 
     The same code path as `streaming_diloco`, with the whole model one fragment first
-    sent at step H.
+    sent at step H (`offload` as there: with one fragment, the whole of θ_g and the
+    outer state visit the device at each sync).
     """
     return streaming_diloco(
         loss_fn,
@@ -244,6 +247,7 @@ def diloco(
         nonfinite=nonfinite,
         has_aux=has_aux,
         exchange=exchange,
+        offload=offload,
     )
 
 
