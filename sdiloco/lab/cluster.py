@@ -247,17 +247,18 @@ class Placement:
     def host(self, tree: Any) -> Any:
         """Local copies of the replicated arrays of `tree` (NumPy; others unchanged)."""
 
-        def one(x):
+        def readable(x):
             if isinstance(x, jax.Array) and not x.is_fully_addressable:
                 if not x.is_fully_replicated:
                     raise ValueError(
                         f"array of shape {x.shape} is split across processes; read "
                         "it through `replicated` first."
                     )
-                return np.asarray(x.addressable_data(0))
-            return np.asarray(x) if isinstance(x, jax.Array) else x
+                return x.addressable_data(0)
+            return x
 
-        return jax.tree.map(one, tree)
+        # One batched transfer of every array (the training loop's metric flush).
+        return jax.device_get(jax.tree.map(readable, tree))
 
     def local(self, tree: Any) -> Any:
         """`tree` as arrays this process can compute with alone (for evaluation).
