@@ -61,6 +61,11 @@ class Wan:
         num_workers: the workers.
         rate_mbit: each worker's link rate in Mbit/s in each direction (None: no limit).
         delay_ms: one-way latency added on each worker's link.
+        burst_ms, min_burst: the token bucket's depth: `burst_ms` at the rate, at
+            least `min_burst` bytes.
+        queue_ms: the longest a packet may wait in the queue before it is dropped.
+        queue_bytes: instead, the queue's size in bytes (a queue that holds a whole
+            message never drops, so TCP is not slowed by losses at low rates).
     """
 
     def __init__(
@@ -70,6 +75,10 @@ class Wan:
         rate_mbit: float | None = None,
         delay_ms: float = 0.0,
         net: int | None = None,
+        burst_ms: float = 10.0,
+        min_burst: int = 32768,
+        queue_ms: float = 50.0,
+        queue_bytes: int | None = None,
     ):
         if not isinstance(num_workers, int) or not 1 <= num_workers <= 200:
             raise ValueError(f"num_workers={num_workers!r}; must be in [1, 200].")
@@ -77,8 +86,15 @@ class Wan:
             raise ValueError(f"rate_mbit={rate_mbit!r}; must be > 0 or None.")
         if not delay_ms >= 0:
             raise ValueError(f"delay_ms={delay_ms!r}; must be >= 0.")
+        if not burst_ms > 0 or not min_burst >= 1600:
+            raise ValueError(
+                f"burst_ms={burst_ms!r}, min_burst={min_burst!r}; allowed: "
+                "burst_ms > 0 and min_burst >= 1600 bytes (one full frame)."
+            )
         self.num_workers = num_workers
         self.rate_mbit = rate_mbit
+        self.burst_ms, self.min_burst = burst_ms, min_burst
+        self.queue_ms, self.queue_bytes = queue_ms, queue_bytes
         self.delay_ms = delay_ms
         self._tag = f"sdw{os.getpid() % 100000}"
         self._net = 77 if net is None else net
@@ -99,6 +115,23 @@ class Wan:
         return subprocess.Popen(
             ["ip", "netns", "exec", self.namespace(i), *argv], **kwargs
         )
+
+    def set_rate(self, rate_mbit: float | None) -> None:
+        """Change every link's rate (None: no limit) while the workers run."""
+        if rate_mbit is not None and not rate_mbit > 0:
+            raise ValueError(f"rate_mbit={rate_mbit!r}; must be > 0 or None.")
+        if self.delay_ms:
+            raise ValueError(
+                "set_rate with delay_ms > 0 is not supported; build a new Wan."
+            )
+        bridge = f"{self._tag}-br"
+        for i in range(self.num_workers):
+            for ns, dev in ((self.namespace(i), "eth0"), (bridge, f"{self._tag}b{i}")):
+                self._ns_quiet(ns, "tc", "qdisc", "del", "dev", dev, "root")
+        self.rate_mbit = rate_mbit
+        for i in range(self.num_workers):
+            self._shape(self.namespace(i), "eth0", delay=True)
+            self._shape(bridge, f"{self._tag}b{i}", delay=False)
 
     def __enter__(self) -> "Wan":
         ok, why = available()
@@ -177,9 +210,16 @@ class Wan:
             parent = ["parent", "1:1"]
         if self.rate_mbit is not None:
             rate = f"{self.rate_mbit}mbit"
-            # A burst of ~10 ms at the rate (at least 32 KiB) and a 50 ms queue.
-            burst = str(max(32768, int(self.rate_mbit * 1e6 / 8 * 0.01)))
-            tbf = ["tbf", "rate", rate, "burst", burst, "latency", "50ms"]
+            # A burst of `burst_ms` at the rate (at least `min_burst` bytes) and a
+            # queue of `queue_ms`. A message smaller than the burst leaves at line rate
+            # when the bucket is full, so a link that must delay small messages
+            # needs a small burst.
+            per_ms = self.rate_mbit * 1e6 / 8 / 1e3
+            burst = str(max(self.min_burst, int(per_ms * self.burst_ms)))
+            queue = ["latency", f"{self.queue_ms}ms"]
+            if self.queue_bytes is not None:
+                queue = ["limit", str(self.queue_bytes)]
+            tbf = ["tbf", "rate", rate, "burst", burst, *queue]
             self._ns(
                 ns, "tc", "qdisc", "add", "dev", dev, *parent, "handle", "2:", *tbf
             )
@@ -190,6 +230,9 @@ class Wan:
 
     def _ns(self, ns: str, *argv: str) -> None:
         _run(["ip", "netns", "exec", ns, *argv])
+
+    def _ns_quiet(self, ns: str, *argv: str) -> None:
+        _run(["ip", "netns", "exec", ns, *argv], check=False)
 
 
 def _run(argv: Sequence[str], check: bool = True) -> None:

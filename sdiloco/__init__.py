@@ -12,6 +12,7 @@ from .base import (
     Algorithm as Algorithm,
     AlgorithmState as AlgorithmState,
     Exchange as Exchange,
+    PostedExchange as PostedExchange,
     global_params as global_params,
     jit_step as jit_step,
     per_replica_bytes as per_replica_bytes,

@@ -68,6 +68,46 @@ class Exchange(Protocol):
         ...
 
 
+@runtime_checkable
+class PostedExchange(Protocol):
+    """An exchange split around a transport that runs between steps.
+
+    The step that sends a fragment only *encodes*: each replica's packed message goes
+    into the state's outbox. Something outside the step (a `distributed.Courier`)
+    moves the messages between replicas while the next τ inner steps compute, and
+    puts every replica's message in the state's inbox before the step that needs
+    them, which *decodes* and averages them. The values are those of an `Exchange`
+    that encodes, moves and decodes within one step.
+    """
+
+    def message_bytes(
+        self, compressor: Any, fragments: Fragments, deltas: list[Any], key: Array
+    ) -> int:
+        """Bytes of one replica's message for deltas shaped like `deltas`."""
+        ...
+
+    def encode(
+        self,
+        compressor: Any,
+        fragments: Fragments,
+        deltas: list[Array],
+        key: PRNGKeyArray,
+    ) -> tuple[Array, list[Array]]:
+        """Each replica's message `[M, B]` (uint8) and its own reconstruction."""
+        ...
+
+    def decode_mean(
+        self,
+        compressor: Any,
+        fragments: Fragments,
+        messages: Array,
+        deltas: list[Any],
+        key: PRNGKeyArray,
+    ) -> list[Array]:
+        """The mean over replicas of the reconstructions of all M `messages`."""
+        ...
+
+
 class Algorithm(NamedTuple):
     """A distributed training algorithm: pure `init` and `step`, plus its accounting.
 

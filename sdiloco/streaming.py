@@ -45,7 +45,7 @@ import optax
 from jaxtyping import Array, Bool, Int, PRNGKeyArray
 
 from . import communication
-from .base import Algorithm, Exchange
+from .base import Algorithm, Exchange, PostedExchange
 from .compression import Compressor, quantizer
 from .custom_types import Batch, Metrics, Params, Replicated
 from .fragments import Fragments, check_matches, single_fragment
@@ -71,8 +71,12 @@ class StreamingState(NamedTuple):
     inflight_ok: Bool[Array, " P"]  # [P] bool, whether that Δ̄ was finite
     residual: Replicated | None  # error feedback, [M, ...] wide dtype; None when off
     key: Array  # [2] uint32, root key of stochastic compressors
+    outbox: Array | None = None  # [M, K, B] uint8, packed messages sent (posted only)
+    inbox: Array | None = (
+        None  # [K, M, B] uint8, every replica's messages (posted only)
+    )
 
-    replica_fields = ("replica_params", "inner_state", "residual")
+    replica_fields = ("replica_params", "inner_state", "residual", "outbox")
     """The fields whose leaves carry the leading replica axis M."""
 
 
@@ -93,7 +97,7 @@ class StreamingSpec(NamedTuple):
     error_feedback: bool
     nonfinite: str
     has_aux: bool
-    exchange: Exchange
+    exchange: Exchange | PostedExchange
     offload: bool = False
 
     def fetch(self, x: Array) -> Array:
@@ -117,6 +121,12 @@ class StreamingSpec(NamedTuple):
         """The fragment groups and in-flight slots for `params` (static)."""
         return make_layout(self.fragments_of(params), self.schedule)
 
+    @property
+    def posted(self) -> bool:
+        """Whether the exchange is posted: encoded in the step that sends, moved
+        between steps, decoded in the step of the outer update (`PostedExchange`)."""
+        return isinstance(self.exchange, PostedExchange)
+
 
 def streaming_diloco(
     loss_fn: Callable[..., Any],
@@ -133,7 +143,7 @@ def streaming_diloco(
     error_feedback: bool = False,
     nonfinite: str = "skip",
     has_aux: bool = False,
-    exchange: Exchange = communication.simulated_exchange,
+    exchange: Exchange | PostedExchange = communication.simulated_exchange,
     offload: bool = False,
 ) -> Algorithm:
     """Streaming DiLoCo (Alg. 2) with overlapped, compressed fragment syncs.
@@ -165,7 +175,12 @@ def streaming_diloco(
         has_aux: whether `loss_fn` returns `(loss, aux)` with `aux` a dict of arrays.
         exchange: how replicas exchange outer gradients (an `Exchange`); the default
             simulates all replicas on one device, `distributed.sharded_exchange`
-            moves the packed low-bit payload between devices and hosts.
+            moves the packed low-bit payload between devices and hosts within the
+            step that sends. A `PostedExchange` (`distributed.posted_exchange`)
+            only encodes in that step: the state then carries an outbox and an
+            inbox of packed messages, something outside the step (a
+            `distributed.Courier`) moves them while the next τ inner steps compute,
+            and the step of the outer update decodes them. It needs τ >= 1.
         offload: keep θ_g and the outer optimizer state in host memory (the
             `pinned_host` memory kind) and move only the pieces of the fragment being
             synchronised to the device, for its Δ, outer step and merge (the paper's
@@ -186,13 +201,20 @@ def streaming_diloco(
     outer = optax.sgd(0.4, momentum=0.9, nesterov=True) if outer is None else outer
     compressor = _check_options(alpha, nonfinite, compressor, error_feedback, fragments)
     num_fragments = 1 if fragments is None else fragments.num_fragments
+    schedule = make_schedule(
+        sync_every, num_fragments, num_replicas, overlap, first_send
+    )
+    if isinstance(exchange, PostedExchange) and min(schedule.overlap) < 1:
+        raise ValueError(
+            f"overlap (tau)={schedule.overlap} with a posted exchange; allowed: every "
+            "tau >= 1 (with tau = 0 the outer step is in the step that sends, so "
+            "there is no step to move the messages behind)."
+        )
     spec = StreamingSpec(
         loss_fn=loss_fn,
         inner=inner,
         outer=outer,
-        schedule=make_schedule(
-            sync_every, num_fragments, num_replicas, overlap, first_send
-        ),
+        schedule=schedule,
         fragments=fragments,
         alpha=alpha,
         compressor=compressor,
@@ -226,7 +248,7 @@ def diloco(
     sync_every: int = 100,
     nonfinite: str = "skip",
     has_aux: bool = False,
-    exchange: Exchange = communication.simulated_exchange,
+    exchange: Exchange | PostedExchange = communication.simulated_exchange,
     offload: bool = False,
 ) -> Algorithm:
     """Vanilla DiLoCo (Douillard et al., 2023; Alg. 1): P = 1, τ = 0, α = 0, fp32.
@@ -288,6 +310,11 @@ def streaming_init(
     )
     if spec.offload:
         global_params, outer_state = _to_host((global_params, outer_state))
+    outbox = inbox = None
+    if spec.posted:
+        size = max(_message_bytes(spec, layout, g, arrays) for g in layout.groups)
+        outbox = jnp.zeros((spec.num_replicas, layout.num_slots, size), jnp.uint8)
+        inbox = jnp.zeros((layout.num_slots, spec.num_replicas, size), jnp.uint8)
     return StreamingState(
         step=jnp.zeros((), jnp.int32),
         global_params=global_params,
@@ -301,6 +328,8 @@ def streaming_init(
         inflight_ok=jnp.ones((frags.num_fragments,), bool),
         residual=residual,
         key=jnp.zeros((2,), jnp.uint32) if key is None else _key_data(key),
+        outbox=outbox,
+        inbox=inbox,
     )
 
 
@@ -308,9 +337,39 @@ def streaming_step(
     spec: StreamingSpec, state: StreamingState, batch: Batch
 ) -> tuple[StreamingState, Metrics]:
     """One step of Streaming DiLoCo (Alg. 2, l.3-12): inner, send, outer, merge."""
+    state, local = local_phase(spec, state, batch)
+    return sync_phase(spec, state, local)
+
+
+def local_phase(
+    spec: StreamingSpec, state: StreamingState, batch: Batch
+) -> tuple[StreamingState, dict]:
+    """The first half of a step, which needs nothing from other replicas: the inner
+    step and the sends (`inner_update`, `send`).
+
+    Returns:
+        The new state and what `sync_phase` needs to finish the step: the per-replica
+        losses (`loss/replicas`, `[M]`) and aux (`replicas/aux/...`), and which
+        fragments were sent (`sync/sent`).
+    """
     check_batch(batch, spec.num_replicas)
     state, losses, aux = inner_update(spec, state, batch)
     state, sent = send(spec, state)
+    local = {"loss/replicas": losses, "sync/sent": sent}
+    local.update({f"replicas/aux/{k}": v for k, v in aux.items()})
+    return state, local
+
+
+def sync_phase(
+    spec: StreamingSpec, state: StreamingState, local: dict
+) -> tuple[StreamingState, Metrics]:
+    """The second half of a step: `receive`, `outer_update`, `merge_arrivals`, and
+    the step's metrics. A posted exchange's courier delivers the messages due at t
+    between the two halves, so they move while the inner step of t computes."""
+    losses, sent = local["loss/replicas"], local["sync/sent"]
+    aux = {k.removeprefix("replicas/aux/"): v for k, v in local.items()}
+    aux = {k: v for k, v in aux.items() if k not in ("loss/replicas", "sync/sent")}
+    state = receive(spec, state)
     state, applied, failed = outer_update(spec, state)
     state, merged = merge_arrivals(spec, state)
     if spec.offload:  # the outputs stay in host memory
@@ -331,6 +390,7 @@ def streaming_step(
         "comm/bits": jnp.sum(jnp.where(sent, jnp.asarray(bits, jnp.float32), 0.0)),
     }
     metrics.update({f"aux/{k}": jnp.mean(v, axis=0) for k, v in aux.items()})
+    metrics.update({f"replicas/aux/{k}": v for k, v in aux.items()})
     return state, metrics
 
 
@@ -364,8 +424,9 @@ def send(
     For each sent fragment, on its elements only: `Δ_m = θ_g − θ_m` per replica (plus
     its error-feedback residual), compressed per replica and averaged over replicas in
     float32 or wider, is stored in the fragment's in-flight slot, with `sent_at = t`
-    and whether it is finite. Nothing else changes; a step that sends nothing computes
-    nothing.
+    and whether it is finite. With a posted exchange, each replica's packed message
+    goes into the fragment's outbox slot instead (`receive` decodes and averages it).
+    Nothing else changes; a step that sends nothing computes nothing.
 
     Returns:
         The new state and which fragments were sent `[P]`.
@@ -377,27 +438,37 @@ def send(
     layout = spec.layout_of(eqx.filter(state.global_params, eqx.is_inexact_array))
 
     def one(group, j, p, carry):
-        slots, ok, residual = carry
+        slots, ok, residual, outbox = carry
         g = [spec.fetch(x) for x in group.gather(g_leaves, j)]
         deltas = communication.outer_gradients(g, group.gather(r_leaves, j, axis=1))
         if residual is not None:
             deltas = [d + e for d, e in zip(deltas, group.gather(residual, j, axis=1))]
         key = jr.fold_in(jr.fold_in(state.key, t), p)
-        mean, recon = spec.exchange(
-            spec.compressor, group.piece_fragments(), deltas, key, jnp.ones(1, bool)
-        )
-        slots = layout.write(slots, group, p, mean)
-        ok = ok.at[p].set(jnp.all(jnp.stack([jnp.all(jnp.isfinite(m)) for m in mean])))
+        if spec.posted:
+            messages, recon = spec.exchange.encode(
+                spec.compressor, group.piece_fragments(), deltas, key
+            )
+            k = jnp.asarray(layout.slot_of)[p]
+            outbox = jax.lax.dynamic_update_slice(
+                outbox, messages[:, None, :], (0 * k, k, 0 * k)
+            )
+        else:
+            mean, recon = spec.exchange(
+                spec.compressor, group.piece_fragments(), deltas, key, jnp.ones(1, bool)
+            )
+            slots = layout.write(slots, group, p, mean)
+            ok = ok.at[p].set(_finite(mean))
         if residual is not None:
             errors = [d - q for d, q in zip(deltas, recon)]
             residual = group.scatter(residual, j, errors, axis=1)
-        return slots, ok, residual
+        return slots, ok, residual, outbox
 
     residual = None if state.residual is None else jax.tree.leaves(state.residual)
-    slots, ok, residual = layout.for_each(
-        sent, one, (state.inflight, state.inflight_ok, residual)
+    slots, ok, residual, outbox = layout.for_each(
+        sent, one, (state.inflight, state.inflight_ok, residual, state.outbox)
     )
     state = state._replace(
+        outbox=outbox,
         inflight=slots,
         sent_at=jnp.where(sent, t, state.sent_at),
         inflight_ok=ok,
@@ -406,6 +477,40 @@ def send(
         else jax.tree.unflatten(jax.tree.structure(state.residual), residual),
     )
     return state, sent
+
+
+def receive(spec: StreamingSpec, state: StreamingState) -> StreamingState:
+    """Decode the messages of the fragments whose outer step is at t (posted exchange).
+
+    For each such fragment, every replica's packed message (delivered into the
+    fragment's inbox slot between steps) is decoded and the reconstructions averaged
+    over replicas in float32 or wider, in replica order: the in-flight slot and the
+    finiteness flag then hold what an in-step exchange would have stored at the send.
+    Without a posted exchange this is the identity.
+    """
+    if not spec.posted:
+        return state
+    due = spec.schedule.outer_due(state.step, state.sent_at)
+    arrays = eqx.filter(state.global_params, eqx.is_inexact_array)
+    layout = spec.layout_of(arrays)
+    like = _leaves(arrays)
+
+    def one(group, j, p, carry):
+        slots, ok = carry
+        deltas = _deltas_like(spec, group, like)
+        frags = group.piece_fragments()
+        size = spec.exchange.message_bytes(spec.compressor, frags, deltas, state.key)
+        k = jnp.asarray(layout.slot_of)[p]
+        messages = jax.lax.dynamic_slice(
+            state.inbox, (k, 0 * k, 0 * k), (1, spec.num_replicas, size)
+        )[0]
+        mean = spec.exchange.decode_mean(
+            spec.compressor, frags, messages, deltas, state.key
+        )
+        return layout.write(slots, group, p, mean), ok.at[p].set(_finite(mean))
+
+    slots, ok = layout.for_each(due, one, (state.inflight, state.inflight_ok))
+    return state._replace(inflight=slots, inflight_ok=ok)
 
 
 def outer_update(
@@ -487,7 +592,15 @@ def inflight_outer_gradients(spec: StreamingSpec, state: StreamingState) -> Para
     τ_min`). Returns the parameters' structure (inexact arrays) holding each in-flight
     fragment's averaged outer gradient on its elements, zeros elsewhere, in the wide
     dtype.
+
+    Raises:
+        ValueError: with a posted exchange, where Δ̄ exists only once it has arrived.
     """
+    if spec.posted:
+        raise ValueError(
+            "inflight_outer_gradients with a posted exchange: the averaged outer "
+            "gradient is decoded at its arrival, so nothing in flight can be read."
+        )
     arrays = eqx.filter(state.global_params, eqx.is_inexact_array)
     leaves, treedef = jax.tree.flatten(arrays)
     layout = spec.layout_of(arrays)
@@ -499,6 +612,22 @@ def inflight_outer_gradients(spec: StreamingSpec, state: StreamingState) -> Para
 
     out = [jnp.zeros(x.shape, state.inflight.dtype) for x in leaves]
     return jax.tree.unflatten(treedef, layout.for_each(in_flight, one, out))
+
+
+def message_bytes(spec: StreamingSpec, params: Params) -> np.ndarray:
+    """Bytes of one replica's packed message for each fragment (posted exchange).
+
+    Returns:
+        `[P]` int64: what each replica posts when it sends fragment p.
+    """
+    if not spec.posted:
+        raise ValueError(
+            f"message_bytes: exchange={spec.exchange!r} is not a posted exchange."
+        )
+    arrays = eqx.filter(params, eqx.is_inexact_array)
+    layout = spec.layout_of(arrays)
+    per_group = [_message_bytes(spec, layout, g, arrays) for g in layout.groups]
+    return np.asarray([per_group[g] for g in layout.group_of], np.int64)
 
 
 def _check_options(alpha, nonfinite, compressor, error_feedback, fragments):
@@ -526,6 +655,27 @@ def _to_host(tree: Any) -> Any:
     return jax.tree.map(
         lambda x: jax.device_put(x, jax.memory.Space.Host) if eqx.is_array(x) else x,
         tree,
+    )
+
+
+def _finite(values: list[Array]) -> Array:
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(v)) for v in values]))
+
+
+def _deltas_like(spec: StreamingSpec, group: Any, leaves: list[Array]) -> list[Any]:
+    """Shapes and dtypes of a group's `[M, ...]` outer gradients."""
+    return [
+        jax.ShapeDtypeStruct((spec.num_replicas,) + shape, _wide(leaves[i]))
+        for i, shape in zip(group.leaves, group.shapes)
+    ]
+
+
+def _message_bytes(spec: StreamingSpec, layout: Layout, group: Any, arrays) -> int:
+    """Bytes of one replica's packed message for a member of `group`."""
+    deltas = _deltas_like(spec, group, _leaves(arrays))
+    key = jnp.zeros((2,), jnp.uint32)
+    return spec.exchange.message_bytes(
+        spec.compressor, group.piece_fragments(), deltas, key
     )
 
 

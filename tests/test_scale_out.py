@@ -314,6 +314,55 @@ def test_checkpoint_of_a_job_restores_on_the_simulation(two_processes, tmp_path)
         train.run(other, copy, progress=False)
 
 
+# ------------------------------------------------------------- the courier across processes
+
+
+def _courier_template(config):
+    """A state shaped like a courier run's (the packed outbox and inbox)."""
+    r = train.build(config)
+    r.algorithm = config.method.build(
+        sdiloco.lab.model.loss_with_aux,
+        config.inner.build(config.steps),
+        r.model,
+        has_aux=True,
+        exchange=sdiloco.distributed.posted_exchange(),
+    )
+    return r.init_state()
+
+
+def _courier_state(out_dir):
+    ckpt = Checkpointer(os.path.join(out_dir, "checkpoints"), _config().to_json())
+    try:
+        state, _ = ckpt.restore(_courier_template(_config()))
+    finally:
+        ckpt.close()
+    return state
+
+
+@pytest.mark.multiprocess
+def test_courier_job_agrees_and_resumes_with_a_fragment_in_flight(simulated, tmp_path):
+    """2 processes x 2 devices with `--courier`: each process computes on one device
+    and moves the messages on the other. The run agrees with the simulation; resumed
+    from its step-20 checkpoint (fragment 0 in flight: the courier posts it again),
+    it ends bitwise equal."""
+    out = tmp_path / "run"
+    finish_processes(_start_job(out, free_port(), extra=["--courier"]), timeout=400)
+    state = _courier_state(out)  # restores only a state with the packed buffers
+    assert int(state.step) == STEPS
+    _assert_close(state.global_params, simulated[0])
+    history = json.loads((out / "history.json").read_text())
+    assert all(np.isfinite(r["loss/train"]) for r in history["rows"])
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    shutil.rmtree(copy / "checkpoints" / str(STEPS))
+    (copy / "history.json").unlink()
+    assert _steps(copy) == [STEPS - 4]
+    resumed_from = _courier_state(copy)
+    assert int(resumed_from.step) in np.asarray(resumed_from.sent_at).tolist()
+    finish_processes(_start_job(copy, free_port(), extra=["--courier"]), timeout=400)
+    _assert_equal(_courier_state(copy), state)
+
+
 # --------------------------------------------------------------------- bad coordinates
 
 

@@ -198,6 +198,7 @@ def test_state_declares_its_replica_fields():
         "replica_params",
         "inner_state",
         "residual",
+        "outbox",
     )
     for name in sdiloco.replica_fields(state):
         for x in jax.tree.leaves(getattr(state, name)):

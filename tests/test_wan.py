@@ -94,3 +94,37 @@ def test_teardown_on_error_and_bad_input():
     ):
         with pytest.raises(ValueError, match=field):
             wan.Wan(**kwargs)
+
+
+def test_courier_moves_messages_while_inner_steps_compute():
+    """Two processes train with the courier (τ = 2) over a slow link: every message
+    takes longer than a step to cross, and at least τ - 1 steps end while it is on
+    the way (they could not with the exchange inside the step)."""
+    import argparse
+
+    from benchmarks import measured_utilization as mu
+
+    args = argparse.Namespace(
+        model="tiny-xxs",
+        batch=4,
+        sync_every=12,
+        layers_per_fragment=3,
+        periods=1,
+        timeout=300,
+        min_burst=2048,
+        overlap=2,
+    )
+    rate = 0.1  # Mbit/s: a ~5 KB message takes ~0.4 s, a step ~20 ms
+    record = mu.run_method("streaming_overlap_fp4", args, rates=[rate])
+    (trace,) = record["traces"]
+    ends = np.asarray(trace["step_ends"])
+    events = trace["events"]
+    assert events, "no message crossed the link in the traced window"
+    step = float(np.median(np.diff(ends)))
+    for e in events:
+        size_s = e["bytes"] * 8 / (rate * 1e6)
+        assert e["arrived"] - e["started"] >= 0.8 * size_s, e
+        assert e["arrived"] - e["started"] > 3 * step, (e, step)
+        during = np.sum((ends > e["started"]) & (ends < e["arrived"]))
+        assert during >= 1, (e, ends)
+    assert "sdw" not in _namespaces()

@@ -5,9 +5,16 @@ One concept per module:
 - `mesh`: the replica mesh and the placement of states, batches and steps on it;
 - `wire`: the packed `uint8` message of one fragment (`pack4` / `unpack4`, `Wire`);
 - `exchange`: `sharded_exchange`, the per-replica exchange hook of `streaming_diloco`;
+- `courier`: the exchange overlapped with the next τ inner steps (`posted_exchange`,
+  `Courier`, `courier_meshes`);
 - `hlo`: reading a compiled program's collectives and the bytes on the wire.
 """
 
+from .courier import (
+    Courier as Courier,
+    courier_meshes as courier_meshes,
+    posted_exchange as posted_exchange,
+)
 from .exchange import sharded_exchange as sharded_exchange
 from .hlo import (
     Collective as Collective,

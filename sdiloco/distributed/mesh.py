@@ -255,27 +255,39 @@ def shard_batch(batch: Batch, mesh: Mesh, num_replicas: int) -> Batch:
 
 
 def sharded_step(
-    step: Callable[..., Any], mesh: Mesh, *, fsdp: bool = False
+    step: Callable[..., Any],
+    mesh: Mesh,
+    *,
+    fsdp: bool = False,
+    metrics: str = "replicated",
 ) -> Callable[..., Any]:
     """A jitted step that keeps the state's layout on the mesh, with the state donated.
 
-    The new state is constrained to `state_shardings(..., fsdp=fsdp)` and the metrics to
-    replicated values (every process can read them). Like `sdiloco.jit_step`, the state
-    passed in is consumed; `shard_state` already made fresh arrays.
+    The new state is constrained to `state_shardings(..., fsdp=fsdp)`. Like
+    `sdiloco.jit_step`, the state passed in is consumed; `shard_state` already made
+    fresh arrays.
 
     Args:
         step: an `Algorithm.step`.
         mesh: the replica mesh.
         fsdp: split the replica leaves over `"data"` too (see `state_shardings`).
+        metrics: "replicated" (every metric readable by every process; the means over
+            replicas are collectives across `"replica"`) or "local" (the means over
+            replicas, `loss/train` and `aux/*`, are left out, and the per-replica
+            metrics `loss/replicas` and `replicas/aux/*` stay split over
+            `"replica"`: a step without sync steps then has no collective across
+            `"replica"` at all; `Courier.host` adds the means back).
 
     Returns:
         The jitted `step(state, batch) -> (state, metrics)` for sharded inputs; it has
         `.lower(state, batch)` to read the compiled program.
     """
+    if metrics not in ("replicated", "local"):
+        raise ValueError(f"metrics={metrics!r}; allowed: 'replicated' or 'local'.")
     whole = NamedSharding(mesh, PartitionSpec())
 
     def constrained(batch, state):
-        new_state, metrics = step(state, batch)
+        new_state, out = step(state, batch)
         shardings = state_shardings(new_state, mesh, fsdp=fsdp)
         new_state = jax.tree.map(
             lambda x, s: jax.lax.with_sharding_constraint(x, s) if s else x,
@@ -283,15 +295,28 @@ def sharded_step(
             shardings,
             is_leaf=lambda x: x is None,
         )
-        metrics = jax.tree.map(
-            lambda x: jax.lax.with_sharding_constraint(x, whole), metrics
-        )
-        return new_state, metrics
+        if metrics == "local":
+            return new_state, _local_metrics(out, mesh)
+        out = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, whole), out)
+        return new_state, out
 
     return _Step(eqx.filter_jit(constrained, donate="all-except-first"))
 
 
 # ----------------------------------------------------------------------------- helpers
+
+
+def _local_metrics(metrics: dict, mesh: Mesh) -> dict:
+    """Metrics without the means over replicas, the per-replica ones left split."""
+    split = NamedSharding(mesh, PartitionSpec(AXIS))
+    whole = NamedSharding(mesh, PartitionSpec())
+    out = {}
+    for k, v in metrics.items():
+        if k == "loss/train" or k.startswith("aux/"):
+            continue
+        per_replica = k == "loss/replicas" or k.startswith("replicas/")
+        out[k] = jax.lax.with_sharding_constraint(v, split if per_replica else whole)
+    return out
 
 
 class _Step:

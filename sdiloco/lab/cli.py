@@ -74,6 +74,7 @@ def _train(args: argparse.Namespace) -> int:
             args.out,
             devices_per_replica=args.devices_per_replica,
             fsdp=args.fsdp,
+            courier=args.courier,
             resume=not args.no_resume,
             progress=not args.no_progress,
         )
@@ -157,6 +158,13 @@ def _parser() -> argparse.ArgumentParser:
         "--fsdp",
         action="store_true",
         help="also split each replica's parameters and inner state over its devices",
+    )
+    d.add_argument(
+        "--courier",
+        action="store_true",
+        help="overlap the exchange of an overlapped method (tau >= 1) with the next "
+        "inner steps: the last device of each process communicates (on CPU, give "
+        "each process one more device)",
     )
     d.add_argument("--coordinator", help="HOST:PORT of process 0 (multi-process)")
     d.add_argument("--num-processes", type=int, help="processes in the job")

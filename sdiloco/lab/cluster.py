@@ -140,6 +140,9 @@ class Placement:
     mesh: Mesh | None
     num_replicas: int
     fsdp: bool = False
+    comm_mesh: Mesh | None = None
+    """With a courier: one communication device per process (`courier_meshes`)."""
+    _couriers: list = dataclasses.field(default_factory=list, compare=False, repr=False)
 
     @staticmethod
     def of(
@@ -148,6 +151,7 @@ class Placement:
         *,
         devices_per_replica: int | None = None,
         fsdp: bool = False,
+        courier: bool = False,
     ) -> "Placement":
         """The placement of a run of M replicas.
 
@@ -159,10 +163,24 @@ class Placement:
             devices_per_replica: D, the size of the mesh's `"data"` axis when the mesh
                 is built here (see `replica_mesh`).
             fsdp: split each replica's parameters and inner state over `"data"`.
+            courier: overlap the exchange of the DiLoCo family with τ >= 1 with the
+                next inner steps (`distributed.Courier`): the last device of each
+                process becomes its communication device and the others compute.
+                Methods without overlap keep the exchange in the step.
 
         Raises:
             ValueError: a mesh that cannot hold M replicas (checked before any compute).
         """
+        if courier:
+            if mesh is not None:
+                raise ValueError(
+                    "courier=True with a mesh given; allowed: no mesh (the courier "
+                    "builds its compute and communication meshes, courier_meshes)."
+                )
+            mesh, comm = distributed.courier_meshes(
+                num_replicas, data=devices_per_replica
+            )
+            return Placement(mesh, num_replicas, fsdp, comm)
         wants_mesh = devices_per_replica is not None or fsdp
         if mesh is None and (jax.process_count() > 1 or wants_mesh):
             mesh = distributed.replica_mesh(num_replicas, data=devices_per_replica)
@@ -193,10 +211,18 @@ class Placement:
             return list(range(self.num_replicas))
         return distributed.process_replicas(self.mesh, self.num_replicas)
 
-    def exchange(self) -> dict[str, Any]:
-        """Extra arguments of a DiLoCo-family factory: the sharded exchange, if any."""
+    def exchange(self, overlap: int | Sequence[int] = 0) -> dict[str, Any]:
+        """Extra arguments of a DiLoCo-family factory: the exchange on this layout.
+
+        Args:
+            overlap: the method's τ; with a courier and every τ >= 1, the exchange
+                is posted (moved between steps), else it stays in the step.
+        """
         if self.mesh is None:
             return {}
+        taus = (overlap,) if isinstance(overlap, int) else tuple(overlap)
+        if self.comm_mesh is not None and min(taus) >= 1:
+            return {"exchange": distributed.posted_exchange(self.mesh)}
         return {"exchange": distributed.sharded_exchange(self.mesh)}
 
     def state(self, state: Any) -> Any:
@@ -228,10 +254,29 @@ class Placement:
         return distributed.shard_batch(host, self.mesh, self.num_replicas)
 
     def step(self, algorithm: Any) -> Callable[[Any, Any], tuple[Any, Any]]:
-        """The jitted, state-donating step on this layout."""
+        """The jitted, state-donating step on this layout (a `distributed.Courier`
+        for a posted exchange)."""
         if self.mesh is None:
             return jit_step(algorithm)
+        spec = getattr(algorithm, "spec", None)
+        if spec is not None and spec.posted:
+            courier = distributed.Courier(
+                algorithm, self.mesh, self.comm_mesh, fsdp=self.fsdp
+            )
+            self._couriers.append(courier)
+            return courier
         return distributed.sharded_step(algorithm.step, self.mesh, fsdp=self.fsdp)
+
+    def close(self) -> None:
+        """Wait for the messages in flight and stop the couriers' threads."""
+        while self._couriers:
+            self._couriers.pop().close()
+
+    def metrics(self, rows: Any) -> Any:
+        """Steps' metrics on the host (NumPy), with a courier's means added back."""
+        if not self._couriers:
+            return self.host(rows)
+        return self._couriers[-1].host(rows)
 
     def replicated(self, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
         """`fn(state)` computed on the layout, its result readable by every process."""
@@ -295,11 +340,14 @@ class Placement:
         """One line: where the replicas live."""
         if self.mesh is None:
             return f"simulation: {self.num_replicas} replicas vmapped on one device"
+        courier = ""
+        if self.comm_mesh is not None:
+            courier = f", a courier on {self.comm_mesh.size} communication devices"
         shape = dict(self.mesh.shape)
         return (
             f"mesh replica={shape[distributed.AXIS]} x data={shape[distributed.DATA]} "
             f"over {self.mesh.size} devices in {jax.process_count()} processes"
-            f"{', FSDP' if self.fsdp else ''}; this process feeds replicas "
+            f"{', FSDP' if self.fsdp else ''}{courier}; this process feeds replicas "
             f"{self.local_replicas}"
         )
 

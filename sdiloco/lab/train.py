@@ -116,7 +116,7 @@ def build(config: RunConfig, placement: Placement | None = None) -> Run:
     inner = config.inner.build(config.steps)
     extra = {}
     if placement is not None and config.method.kind != "data_parallel":
-        extra = placement.exchange()
+        extra = placement.exchange(getattr(config.method, "overlap", 0))
     alg = config.method.build(
         model_lib.loss_with_aux, inner, model, has_aux=True, **extra
     )
@@ -130,6 +130,7 @@ def run(
     mesh: Mesh | None = None,
     devices_per_replica: int | None = None,
     fsdp: bool = False,
+    courier: bool = False,
     resume: bool = True,
     stop_after: int | None = None,
     progress: bool = True,
@@ -148,6 +149,9 @@ def run(
         devices_per_replica: build the mesh over every device with this many devices
             per replica (its `"data"` axis); instead of `mesh`.
         fsdp: split each replica's parameters and inner state over its devices.
+        courier: move the exchange of an overlapped method (τ >= 1) between steps,
+            while the next inner steps compute (`distributed.Courier`; the last
+            device of each process communicates). The numbers are those without.
         resume: continue from the latest checkpoint in `out_dir` if there is one
             (written on any layout that holds the same run).
         stop_after: stop (with a checkpoint) after this step, e.g. to split a run in
@@ -170,6 +174,7 @@ def run(
         mesh,
         devices_per_replica=devices_per_replica,
         fsdp=fsdp,
+        courier=courier,
     )
     _check_batch(c, place)
     r = build(config, place)
@@ -206,6 +211,7 @@ def run(
         if ckpt is not None and c.checkpoint_every and step % c.checkpoint_every == 0:
             save(step)
     jax.block_until_ready(state)
+    place.close()
     log.stop()
     if ckpt is not None:
         if ckpt.latest_step() != last:
@@ -285,7 +291,7 @@ class _Log:
         self.bar.update(1)
 
     def _flush(self, step: int) -> None:
-        host = self.place.host(self.pending)
+        host = self.place.metrics(self.pending)
         self.pending.clear()
         for _, m in host:
             sent = np.asarray(m.get("sync/sent", [True]), bool).reshape(-1)

@@ -1,0 +1,163 @@
+"""The posted exchange and its courier: the numbers of the in-step exchange, with the
+messages moved between steps.
+
+In the simulation the posted run is bitwise the in-step run (the same encode, the same
+decode, the mean in the same order; only the float in-flight slot is filled at the
+arrival instead of at the send, so it is left out of the comparison). On a mesh
+(compute devices plus one communication device) the run agrees with the simulation
+within the tolerance of `tests/test_distributed.py`, and neither of the step's two
+programs holds a collective: the only bytes between replicas are the courier's.
+"""
+
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import pytest
+from helpers import toy_batches, toy_params, toy_streaming, tree_allclose, tree_equal
+
+import sdiloco
+from sdiloco import distributed, streaming
+
+
+M = 2
+TOL = dict(rtol=1e-5, atol=1e-6)
+CASES = {
+    "e3m0_ef": dict(compressor="e3m0", error_feedback=True),
+    "fp32_tau2": dict(overlap=2),
+    "e3m0_tau_per_replica": dict(compressor="e3m0", overlap=(1, 2)),
+}
+
+
+def _training(state):
+    """The state without the posted buffers and the float in-flight slots."""
+    return state._replace(outbox=None, inbox=None, inflight=None)
+
+
+def _pair(params, **kw):
+    ref = toy_streaming(params, num_replicas=M, **kw)
+    posted = toy_streaming(
+        params, num_replicas=M, exchange=distributed.posted_exchange(), **kw
+    )
+    return ref, posted
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_posted_simulation_is_bitwise_the_in_step_exchange(case):
+    params = toy_params(jr.key(5))
+    batches = toy_batches(jr.key(6), steps=13, replicas=M)
+    ref_alg, alg = _pair(params, **CASES[case])
+    ref, state = ref_alg.init(params, jr.key(7)), alg.init(params, jr.key(7))
+    step, courier = sdiloco.jit_step(ref_alg), distributed.Courier(alg)
+    applied = 0
+    for batch in batches:
+        ref, ref_m = step(ref, batch)
+        state, m = courier(state, batch)
+        for k in ("sync/sent", "sync/applied", "sync/merged", "loss/replicas"):
+            np.testing.assert_array_equal(np.asarray(m[k]), np.asarray(ref_m[k]))
+        applied += int(np.asarray(m["sync/applied"]).sum())
+        assert tree_equal(_training(state), _training(ref))
+    assert applied >= 4
+    assert not tree_allclose(state.global_params, params)
+    # One message per send, each delivered at its arrival step.
+    sends = sum(1 for e in courier.events)
+    assert sends == applied + sum(
+        1 for e in courier.events if e["arrival_step"] > len(batches)
+    )
+
+
+def test_posted_state_holds_packed_messages():
+    params = toy_params(jr.key(5))
+    _, alg = _pair(params, compressor="e3m0")
+    state = alg.init(params, jr.key(7))
+    sizes = streaming.message_bytes(alg.spec, params)
+    bits = alg.bits_per_fragment(params)
+    # e3m0: two codes per byte plus the f32 scales, the accounting's bits in bytes.
+    np.testing.assert_array_equal(sizes, [-(-int(b) // 8) for b in bits])
+    k = alg.spec.layout_of(params).num_slots
+    assert state.outbox.shape == (M, k, sizes.max())
+    assert state.inbox.shape == (k, M, sizes.max())
+    assert state.outbox.dtype == state.inbox.dtype == jnp.uint8
+
+
+def test_a_courier_started_mid_flight_posts_again():
+    """A checkpoint holds the outbox: a fresh courier re-sends what is in flight."""
+    params = toy_params(jr.key(5))
+    batches = toy_batches(jr.key(6), steps=12, replicas=M)
+    _, alg = _pair(params, compressor="e3m0", overlap=2)
+    whole = distributed.Courier(alg)
+    state = alg.init(params, jr.key(7))
+    for batch in batches:
+        state, _ = whole(state, batch)
+    first = distributed.Courier(alg)
+    half = alg.init(params, jr.key(7))
+    for batch in batches[:7]:
+        half, _ = first(half, batch)
+    sent_at = np.asarray(half.sent_at)
+    assert np.any((sent_at >= 0) & (7 < sent_at + 2)), "nothing in flight at step 7"
+    saved = jax.tree.map(lambda x: np.asarray(x), half)  # what a checkpoint keeps
+    resumed = jax.tree.map(jnp.asarray, saved)
+    second = distributed.Courier(alg)
+    for batch in batches[7:]:
+        resumed, _ = second(resumed, batch)
+    assert tree_equal(_training(resumed), _training(state))
+
+
+def test_courier_on_a_mesh_agrees_and_its_programs_hold_no_collective():
+    params = toy_params(jr.key(5))
+    batches = toy_batches(jr.key(6), steps=10, replicas=M)
+    kw = dict(compressor="e3m0", error_feedback=True)
+    mesh, comm = distributed.courier_meshes(M, jax.devices()[:3])
+    assert comm.devices.size == 1 and comm.devices.flat[0] not in mesh.devices.flat
+    ref_alg = toy_streaming(params, num_replicas=M, **kw)
+    alg = toy_streaming(
+        params, num_replicas=M, exchange=distributed.posted_exchange(mesh), **kw
+    )
+    ref = ref_alg.init(params, jr.key(7))
+    state = distributed.shard_state(alg.init(params, jr.key(7)), mesh)
+    courier = distributed.Courier(alg, mesh, comm)
+    step = sdiloco.jit_step(ref_alg)
+    for batch in batches:
+        ref, ref_m = step(ref, batch)
+        state, m = courier(state, distributed.shard_batch(batch, mesh, M))
+    courier.close()
+    host = courier.host(m)
+    np.testing.assert_allclose(
+        host["loss/train"], np.asarray(ref_m["loss/train"]), 1e-5
+    )
+    np.testing.assert_allclose(
+        host["loss/replicas"], np.asarray(ref_m["loss/replicas"]), 1e-5
+    )
+    assert tree_allclose(jax.device_get(_training(state)), _training(ref), **TOL)
+    assert all("waited" in e for e in courier.events if e["arrival_step"] <= 10)
+    # The two programs of a step hold no collective: replicas meet only through the
+    # courier's all-gather on the communication device.
+    batch = distributed.shard_batch(batches[0], mesh, M)
+    first, second = courier.programs
+    text = first.lower(state, batch).compile().as_text()
+    assert distributed.collectives(text, mesh) == []
+    state, local = first(state, batch)
+    text = second.lower(state, local).compile().as_text()
+    assert distributed.collectives(text, mesh) == []
+
+
+def test_bad_input():
+    params = toy_params(jr.key(5))
+    with pytest.raises(ValueError, match="overlap"):
+        toy_streaming(
+            params,
+            num_replicas=M,
+            overlap=0,
+            exchange=distributed.posted_exchange(),
+        )
+    with pytest.raises(ValueError, match="posted_exchange"):
+        distributed.Courier(toy_streaming(params, num_replicas=M))
+    _, alg = _pair(params)
+    with pytest.raises(ValueError, match="comm_mesh"):
+        distributed.Courier(alg, distributed.replica_mesh(M, jax.devices()[:2]))
+    with pytest.raises(ValueError, match="no device left to compute"):
+        distributed.courier_meshes(M, jax.devices()[:1])
+    with pytest.raises(ValueError, match="posted exchange"):
+        streaming.inflight_outer_gradients(alg.spec, alg.init(params))
+    with pytest.raises(ValueError, match="metrics"):
+        distributed.sharded_step(alg.step, distributed.replica_mesh(M), metrics="x")
