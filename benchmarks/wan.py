@@ -15,8 +15,8 @@ namespace the machine's host name resolves to the worker's own address (an
 `/etc/netns/<namespace>/hosts` file, which `ip netns exec` mounts over `/etc/hosts`), so
 libraries that find their address by host name, such as gloo, use the emulated link. Traffic never leaves the
 namespaces this object creates, the host's interfaces and loopback are never touched,
-and everything is deleted on exit, on an exception, and (atexit) if the interpreter
-ends early. Every command it runs is bounded in time.
+and everything is deleted on exit, on an exception, on SIGTERM, and (atexit) if the
+interpreter ends early. Every command it runs is bounded in time.
 
 `available()` says whether this machine can run it (root, `ip` and `tc`, namespaces),
 with the reason when not.
@@ -26,9 +26,11 @@ import atexit
 import os
 import pathlib
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Sequence
 
 
@@ -138,6 +140,11 @@ class Wan:
         if not ok:
             raise RuntimeError(f"cannot emulate a WAN here: {why}")
         atexit.register(self.close)
+        # A SIGTERM (e.g. `timeout`, `kill`) ends the interpreter without running
+        # atexit handlers; turn it into SystemExit so that `__exit__` tears down.
+        if threading.current_thread() is threading.main_thread():
+            if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+                signal.signal(signal.SIGTERM, _exit_on_sigterm)
         try:
             self._create()
         except BaseException:
@@ -233,6 +240,10 @@ class Wan:
 
     def _ns_quiet(self, ns: str, *argv: str) -> None:
         _run(["ip", "netns", "exec", ns, *argv], check=False)
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _run(argv: Sequence[str], check: bool = True) -> None:

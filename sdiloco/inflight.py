@@ -183,7 +183,16 @@ class Layout:
         def body(i, carry):
             p = order[i]
             branches = [lambda c, g=g: fn(g, index[p], p, c) for g in self.groups]
-            return jax.lax.switch(group_of[p], branches, carry)
+            # The switch must stay a conditional the compiler cannot see through:
+            # when it can resolve the branch (one group, or a constant table), XLA
+            # inlines it into the loop body and hoists whatever does not depend on
+            # the loop (a whole-leaf fragment's Δ, its quantization, its
+            # all-gather) out of the loop, to run at every step whether or not
+            # anything is selected. An opaque index and a branch never taken
+            # prevent that.
+            branches.append(lambda c: c)
+            which = jax.lax.optimization_barrier(group_of[p])
+            return jax.lax.switch(which, branches, carry)
 
         count = jnp.sum(selected, dtype=jnp.int32)
         return jax.lax.fori_loop(0, count, body, carry)

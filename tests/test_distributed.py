@@ -15,6 +15,7 @@ program; an all-gather moves bytes exactly).
 
 import contextlib
 import math
+import re
 import pathlib
 import socket
 import time
@@ -253,6 +254,71 @@ def test_compiled_sync_all_gathers_the_packed_payload(sharded_run):
     for c in distributed.collectives(text):
         if c.dtype != "u8":
             assert c.bytes_per_device < 4 * min(sizes), c
+
+
+def _callers(text: str) -> dict[str, set[str]]:
+    """HLO computation name -> the names of the computations that call it."""
+    out: dict[str, set[str]] = {}
+    current = None
+    for line in text.splitlines():
+        if line and not line.startswith(" ") and "{" in line:
+            head = line.split(" (")[0].split()
+            current = head[-1].lstrip("%")
+            continue
+        if current is None:
+            continue
+        for name in re.findall(
+            r"(?:body|condition|to_apply|calls|branch_computations=\{[^}]*)=?%?"
+            r"([\w.\-]+)",
+            line,
+        ):
+            out.setdefault(name, set()).add(current)
+        for group in re.findall(r"branch_computations=\{([^}]*)\}", line):
+            for name in group.split(","):
+                out.setdefault(name.strip().lstrip("%"), set()).add(current)
+    return out
+
+
+def test_diloco_exchanges_only_inside_the_loop_over_due_fragments():
+    """A regression: with one fragment group, XLA hoisted the send (Δ, encoding and
+    the all-gather) out of the loop over due fragments, so a sharded DiLoCo sent the
+    whole model at every step. Every all-gather must be reachable from the entry
+    computation only through that loop (a `while`)."""
+    params = toy_params(jr.key(5))
+    mesh = distributed.replica_mesh(M)
+    alg = sdiloco.diloco(
+        toy_loss,
+        inner=relaxed(optax.adamw(0.05)),
+        num_replicas=M,
+        sync_every=3,
+        exchange=distributed.sharded_exchange(mesh),
+    )
+    state = distributed.shard_state(alg.init(params), mesh)
+    batch = distributed.shard_batch(
+        toy_batches(jr.key(6), steps=1, replicas=M)[0], mesh, M
+    )
+    with _fresh_compile():
+        text = distributed.sharded_step(alg.step, mesh).lower(state, batch).compile()
+        text = text.as_text()
+    callers = _callers(text)
+    loops = {m.group(1) for m in re.finditer(r"while\(.*?body=%?([\w.\-]+)", text)}
+    holders = set()
+    current = None
+    for line in text.splitlines():
+        if line and not line.startswith(" ") and "{" in line:
+            current = line.split(" (")[0].split()[-1].lstrip("%")
+        elif "all-gather(" in line and "u8" in line:
+            holders.add(current)
+    assert holders, "no all-gather of the packed message"
+
+    def through_loop(name, seen=()):
+        if name in loops:
+            return True
+        parents = callers.get(name, set()) - set(seen)
+        return bool(parents) and all(through_loop(p, (*seen, name)) for p in parents)
+
+    for name in holders:
+        assert through_loop(name), f"the all-gather in {name} runs outside the loop"
 
 
 # --------------------------------------------------------------------- Data-Parallel
