@@ -4,6 +4,7 @@ Usage (as root, with iproute2; takes about 15 minutes on two cores):
 
     python -m benchmarks.measured_utilization
         [--methods NAME ...] [--redo] [--out benchmarks/measured/fig04_utilization.json]
+        [--extra-rates MBIT ...]
 
 For each method of `wan_train_worker.METHODS`, two processes (one replica each, each
 pinned to its own core) train a tiny transformer in two network namespaces joined by
@@ -187,6 +188,26 @@ def run_method(name: str, args, rates: list[float] | None = None) -> dict:
     return record
 
 
+def merge(record: dict, more: dict) -> dict:
+    """A method's record with the windows of a second run (`--extra-rates`) added:
+    each run's CU is relative to its own no-limit windows."""
+    out = dict(record)
+    rows = sorted(
+        zip(
+            record["rates_mbit"] + more["rates_mbit"],
+            record["cu"] + more["cu"],
+            record["cu_simulated"] + more["cu_simulated"],
+        )
+    )
+    out["rates_mbit"], out["cu"], out["cu_simulated"] = map(list, zip(*rows))
+    out["extra_runs"] = record.get("extra_runs", []) + [
+        {k: more[k] for k in ("rates_mbit", "seconds_per_step", "step_time_no_limit")}
+    ]
+    out["knee_measured"] = knee(out["rates_mbit"], out["cu"])
+    out["knee_simulated"] = knee(out["rates_mbit"], out["cu_simulated"])
+    return out
+
+
 def grid_for(meta: dict, step_time: float) -> list[float]:
     """`GRID_POINTS` rates a factor 2 apart around the simulator's CU = 0.8 rate."""
     fine = np.logspace(-3, 4, 281)  # Mbit/s
@@ -224,6 +245,12 @@ def main(argv=None) -> int:
     p.add_argument("--periods", type=int, default=2)
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--redo", action="store_true", help="measure recorded methods again")
+    p.add_argument(
+        "--extra-rates",
+        type=float,
+        nargs="*",
+        help="measure the recorded --methods at these rates too and merge them in",
+    )
     p.add_argument("--layers-per-fragment", type=int, default=3)
     p.add_argument("--min-burst", type=int, default=2048)
     args = p.parse_args(argv)
@@ -233,6 +260,14 @@ def main(argv=None) -> int:
         return 2
     out = pathlib.Path(args.out)
     results = json.loads(out.read_text()) if out.exists() else {"methods": {}}
+    if args.extra_rates:
+        for name in args.methods:
+            old = results["methods"][name]
+            more = run_method(name, args, rates=args.extra_rates)
+            results["methods"][name] = merge(old, more)
+            out.write_text(json.dumps(results, indent=1))
+            print(f"{name}: CU {more['cu']} at {args.extra_rates} Mbit/s", flush=True)
+        return 0
     for name in args.methods:
         if name in results["methods"] and not args.redo:
             print(f"{name}: recorded, skipped (--redo to measure again)")

@@ -292,7 +292,8 @@ class Courier:
     # ------------------------------------------------------------------ public
 
     def __call__(self, state: Any, batch: Any) -> tuple[Any, Any]:
-        """One step: deliver what is due, step, post what was sent."""
+        """One step: its inner half, the delivery of what is due, its sync half,
+        then the posting of what it sent."""
         if self._t is None:
             state = self._start(state)
         t = self._t + 1
@@ -307,7 +308,7 @@ class Courier:
         """Wait until every message posted so far has arrived."""
         for items in self._pending.values():
             for *_, future, _ in items:
-                if hasattr(future, "result"):
+                if isinstance(future, concurrent.futures.Future):
                     future.result()
 
     def close(self) -> None:
