@@ -76,8 +76,8 @@ def simulated_cu(record: dict, rates_mbit, step_time: float) -> list[float]:
     """The simulator's CU at each rate (Mbit/s) for the measured step time."""
     work = ut.Workload(
         num_layers=record["num_layers"],
-        step_time=step_time,
-        num_params=record["num_params"],
+        step_time=float(step_time),
+        num_params=float(record["num_params"]),
     )
     method = sim_method(
         record["method"],

@@ -233,6 +233,11 @@ class Courier:
     when it had arrived and how long the training loop waited for it (seconds of
     `time.perf_counter`).
 
+    A collective of your own between the same processes (an evaluation gathered over
+    the mesh, `multihost_utils`, a checkpoint barrier) must not run while a message
+    moves: XLA:CPU's gloo collectives fail when two threads run them at once. Call
+    `drain()` first (`Placement` does, and `host` does).
+
     Args:
         algorithm: built with `exchange=posted_exchange(mesh)`.
         mesh: the compute mesh (None: the simulation on one device, where delivering
@@ -332,6 +337,7 @@ class Courier:
         ]
         gathered = {}
         if split:
+            self.drain()  # gloo collectives must not overlap the courier's
             whole = [x for x in split if x.is_fully_replicated]
             parts = [x for x in split if not x.is_fully_replicated]
             every = multihost_utils.process_allgather(parts, tiled=True)

@@ -272,10 +272,23 @@ class Placement:
         while self._couriers:
             self._couriers.pop().close()
 
+    def quiet(self) -> None:
+        """Wait until no courier moves a message.
+
+        Called before every collective the training loop issues itself (the metric
+        flush, evaluation, checkpoint metadata): XLA:CPU's gloo collectives between
+        the same processes must not run from two threads at once (measured: a
+        `gloo::EnforceNotMet` "received data size doesn't match expected size").
+        Overlap is lost only at those steps.
+        """
+        for courier in self._couriers:
+            courier.drain()
+
     def metrics(self, rows: Any) -> Any:
         """Steps' metrics on the host (NumPy), with a courier's means added back."""
         if not self._couriers:
             return self.host(rows)
+        self.quiet()
         return self._couriers[-1].host(rows)
 
     def replicated(self, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
@@ -283,11 +296,17 @@ class Placement:
         if self.mesh is None:
             return fn
         whole = NamedSharding(self.mesh, PartitionSpec())
-        return eqx.filter_jit(
+        jitted = eqx.filter_jit(
             lambda s: jax.tree.map(
                 lambda x: jax.lax.with_sharding_constraint(x, whole), fn(s)
             )
         )
+
+        def call(state):
+            self.quiet()
+            return jitted(state)
+
+        return call
 
     def host(self, tree: Any) -> Any:
         """Local copies of the replicated arrays of `tree` (NumPy; others unchanged)."""
@@ -326,6 +345,7 @@ class Placement:
         """Merge every process's `{replica: JSON value}` (e.g. iterator positions)."""
         if jax.process_count() == 1:
             return dict(local)
+        self.quiet()
         text = json.dumps({str(k): v for k, v in local.items()}).encode()
         sizes = multihost_utils.process_allgather(np.array([len(text)], np.int32))
         buf = np.zeros(int(np.max(sizes)), np.uint8)
