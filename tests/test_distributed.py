@@ -15,8 +15,8 @@ program; an all-gather moves bytes exactly).
 
 import contextlib
 import math
-import re
 import pathlib
+import re
 import socket
 import time
 
