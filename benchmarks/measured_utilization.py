@@ -26,7 +26,6 @@ import json
 import math
 import os
 import pathlib
-import subprocess
 import sys
 import tempfile
 import time
@@ -137,21 +136,14 @@ def run_method(name: str, args, rates: list[float] | None = None) -> dict:
         control = pathlib.Path(tmp)
         extra = [str(x) for kv in options.items() for x in kv]
         argv = ["-m", "benchmarks.wan_train_worker", f"{net.ip(0)}:23461", "2"]
-        procs = [
-            net.popen(
-                i,
-                [
-                    *("taskset", "-c", str(i % cores), sys.executable, *argv, str(i)),
-                    *("--control", str(control), *extra),
-                ],
-                env=env,
-                cwd=ROOT,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-            for i in range(2)
-        ]
+        procs = net.start(
+            lambda i: [
+                *("taskset", "-c", str(i % cores), sys.executable, *argv, str(i)),
+                *("--control", str(control), *extra),
+            ],
+            env=env,
+            cwd=ROOT,
+        )
         try:
             deadline = time.time() + args.timeout
             rates = [None] + ([] if fixed is None else [*fixed, None])

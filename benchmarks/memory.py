@@ -73,6 +73,9 @@ def analytic(
         "inflight_ok": num_fragments,
         "residual": 0,
         "key": 8,
+        # The posted exchange's packed messages (none with the in-step exchange):
+        "outbox": 0,
+        "inbox": 0,
     }
 
 

@@ -31,7 +31,7 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 
 _TIMEOUT_S = 10
@@ -117,6 +117,23 @@ class Wan:
         return subprocess.Popen(
             ["ip", "netns", "exec", self.namespace(i), *argv], **kwargs
         )
+
+    def start(
+        self, argv_of: Callable[[int], Sequence[str]], **kwargs
+    ) -> list[subprocess.Popen]:
+        """Start `argv_of(i)` in every worker's namespace, stdout and stderr
+        captured together as text (`kwargs` go to `Popen`, e.g. `env`, `cwd`)."""
+        return [
+            self.popen(
+                i,
+                argv_of(i),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                **kwargs,
+            )
+            for i in range(self.num_workers)
+        ]
 
     def set_rate(self, rate_mbit: float | None) -> None:
         """Change every link's rate (None: no limit) while the workers run."""

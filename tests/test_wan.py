@@ -36,26 +36,8 @@ def _exchange(rate_mbit, elements=1 << 20, rounds=3) -> dict:
     )
     with wan.Wan(2, rate_mbit=rate_mbit) as net:
         argv = [sys.executable, "-m", "benchmarks.wan_worker", f"{net.ip(0)}:23456"]
-        procs = [
-            net.popen(
-                i,
-                [
-                    *argv,
-                    "2",
-                    str(i),
-                    "--elements",
-                    str(elements),
-                    "--rounds",
-                    str(rounds),
-                ],
-                env=env,
-                cwd=ROOT,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-            for i in range(2)
-        ]
+        options = ["--elements", str(elements), "--rounds", str(rounds)]
+        procs = net.start(lambda i: [*argv, "2", str(i), *options], env=env, cwd=ROOT)
         try:
             outs = [p.communicate(timeout=120)[0] for p in procs]
         finally:
