@@ -14,6 +14,11 @@ module-level pure functions of the state, each testable alone:
 4. `merge_arrivals`: each replica m whose arrival `sent + τ_m` is t merges
    `θ_m ← α·θ_m + (1 − α)·θ_g` on that fragment (l.12).
 
+Steps 1-2 are `local_phase` (nothing from other replicas) and 3-4 `sync_phase`; with a
+posted exchange (`distributed.posted_exchange`) `send` only encodes each replica's
+message into the state's outbox, a `distributed.Courier` moves the messages between
+the two phases, and `receive` (first in `sync_phase`) decodes and averages them.
+
 Replicas live on a leading axis M of the state and of the batch. Which fragment is
 sent, received or merged at t is traced data, so the step compiles once and serves
 every step (`sdiloco.jit_step(alg)`). A sync touches only its fragment's elements, and
@@ -71,10 +76,9 @@ class StreamingState(NamedTuple):
     inflight_ok: Bool[Array, " P"]  # [P] bool, whether that Δ̄ was finite
     residual: Replicated | None  # error feedback, [M, ...] wide dtype; None when off
     key: Array  # [2] uint32, root key of stochastic compressors
-    outbox: Array | None = None  # [M, K, B] uint8, packed messages sent (posted only)
-    inbox: Array | None = (
-        None  # [K, M, B] uint8, every replica's messages (posted only)
-    )
+    # Posted exchange only (None otherwise), K in-flight slots of B bytes:
+    outbox: Array | None = None  # [M, K, B] uint8, each replica's packed messages
+    inbox: Array | None = None  # [K, M, B] uint8, every replica's, once delivered
 
     replica_fields = ("replica_params", "inner_state", "residual", "outbox")
     """The fields whose leaves carry the leading replica axis M."""
