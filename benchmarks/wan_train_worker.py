@@ -34,7 +34,7 @@ from jax.experimental import multihost_utils
 
 import sdiloco
 from sdiloco import distributed
-from sdiloco.lab import methods, model as model_lib
+from sdiloco.lab import cluster, methods, model as model_lib
 from sdiloco.streaming import message_bytes
 
 
@@ -117,12 +117,7 @@ def main(argv=None) -> None:
     p.add_argument("--periods", type=int, default=2)
     p.add_argument("--overlap", type=int, help="τ of the overlapped methods (1)")
     args = p.parse_args(argv)
-    jax.distributed.initialize(
-        coordinator_address=args.coordinator,
-        num_processes=args.num_processes,
-        process_id=args.process_id,
-        initialization_timeout=60,
-    )
+    cluster.connect(args.coordinator, args.num_processes, args.process_id, timeout_s=60)
     control = pathlib.Path(args.control)
     primary = jax.process_index() == 0
     try:
@@ -208,7 +203,7 @@ def main(argv=None) -> None:
             out = {**meta, "seconds_per_step": seconds, "traces": traces}
             print(json.dumps(out), flush=True)
     finally:
-        jax.distributed.shutdown()
+        cluster.disconnect()
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import sdiloco
 from sdiloco import distributed
+from sdiloco.lab import cluster
 
 
 def main(argv=None) -> None:
@@ -34,12 +35,7 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--compressor", default="e3m0")
     args = p.parse_args(argv)
-    jax.distributed.initialize(
-        coordinator_address=args.coordinator,
-        num_processes=args.num_processes,
-        process_id=args.process_id,
-        initialization_timeout=60,
-    )
+    cluster.connect(args.coordinator, args.num_processes, args.process_id, timeout_s=60)
     try:
         m = args.num_processes
         mesh = distributed.replica_mesh(m)
@@ -71,7 +67,7 @@ def main(argv=None) -> None:
                 flush=True,
             )
     finally:
-        jax.distributed.shutdown()
+        cluster.disconnect()
 
 
 if __name__ == "__main__":

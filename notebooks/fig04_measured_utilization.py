@@ -41,12 +41,12 @@ import json
 import matplotlib.pyplot as plt
 import numpy as np
 
+from benchmarks.measured_utilization import RESULTS, knee
 from sdiloco.paper import plotting
 
 
 plotting.style()
 NOTEBOOK = "fig04_measured_utilization"
-RESULTS = plotting.repo_root() / "benchmarks" / "measured" / "fig04_utilization.json"
 record = json.loads(RESULTS.read_text())
 setup, runs = record["setup"], record["methods"]
 NAMES = {
@@ -117,18 +117,6 @@ plt.show()
 
 
 # %%
-def knee(rates, cu, target):
-    rates, cu = np.asarray(rates, float), np.asarray(cu, float)
-    for i in range(len(rates)):
-        if cu[i] >= target:
-            if i == 0:
-                return float(rates[0])
-            f = (target - cu[i - 1]) / (cu[i] - cu[i - 1])
-            lo, hi = np.log(rates[i - 1]), np.log(rates[i])
-            return float(np.exp(lo + f * (hi - lo)))
-    return float("inf")
-
-
 def rate_for(r, target):
     ok = [b for b, c in zip(r["rates_mbit"], r["cu"]) if c >= target]
     return min(ok) if ok else None

@@ -10,9 +10,10 @@ Steps are 1-based: the first training step is t = 1.
 import dataclasses
 from collections.abc import Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Bool, Int
+from jaxtyping import Array, ArrayLike, Bool, Int
 
 
 NEVER = -1
@@ -85,11 +86,21 @@ class Schedule:
         """M (the length of `overlap`)."""
         return len(self.overlap)
 
-    def sent(self, t: Int[Array, ""]) -> Bool[Array, " P"]:
-        """Which fragments are sent at step t (Alg. 2, l.6): `t >= f_p`, `H | t - f_p`."""
-        f = jnp.asarray(self.first_send, dtype=t.dtype)
-        h = jnp.asarray(self.sync_every, dtype=t.dtype)
-        return (t >= f) & ((t - f) % h == 0)
+    def sent(self, t: Int[ArrayLike, ""]) -> Bool[ArrayLike, " P"]:
+        """Which fragments are sent at step t (Alg. 2, l.6): `t >= f_p`, `H | t - f_p`.
+
+        A traced step gives a jax array; a host int (the courier's loop) a NumPy one.
+        """
+        xp = jnp if isinstance(t, jax.Array) else np
+        f = xp.asarray(self.first_send, dtype=getattr(t, "dtype", np.int64))
+        return (t >= f) & ((t - f) % self.sync_every == 0)
+
+    def in_flight(
+        self, t: Int[ArrayLike, ""], sent_at: Int[ArrayLike, " P"]
+    ) -> Bool[ArrayLike, " P"]:
+        """Which fragments are in flight at t: sent, their outer step (at
+        `sent_at + τ_min`) still to come. jax or NumPy, as its arguments."""
+        return (sent_at != NEVER) & (t < sent_at + min(self.overlap))
 
     def outer_due(
         self, t: Int[Array, ""], sent_at: Int[Array, " P"]

@@ -316,7 +316,7 @@ def streaming_init(
         global_params, outer_state = _to_host((global_params, outer_state))
     outbox = inbox = None
     if spec.posted:
-        size = max(_message_bytes(spec, layout, g, arrays) for g in layout.groups)
+        size = max(_message_bytes(spec, g, arrays) for g in layout.groups)
         outbox = jnp.zeros((spec.num_replicas, layout.num_slots, size), jnp.uint8)
         inbox = jnp.zeros((layout.num_slots, spec.num_replicas, size), jnp.uint8)
     return StreamingState(
@@ -371,8 +371,8 @@ def sync_phase(
     the step's metrics. A posted exchange's courier delivers the messages due at t
     between the two halves, so they move while the inner step of t computes."""
     losses, sent = local["loss/replicas"], local["sync/sent"]
-    aux = {k.removeprefix("replicas/aux/"): v for k, v in local.items()}
-    aux = {k: v for k, v in aux.items() if k not in ("loss/replicas", "sync/sent")}
+    prefix = "replicas/aux/"
+    aux = {k.removeprefix(prefix): v for k, v in local.items() if k.startswith(prefix)}
     state = receive(spec, state)
     state, applied, failed = outer_update(spec, state)
     state, merged = merge_arrivals(spec, state)
@@ -608,8 +608,7 @@ def inflight_outer_gradients(spec: StreamingSpec, state: StreamingState) -> Para
     arrays = eqx.filter(state.global_params, eqx.is_inexact_array)
     leaves, treedef = jax.tree.flatten(arrays)
     layout = spec.layout_of(arrays)
-    tau = min(spec.schedule.overlap)
-    in_flight = (state.sent_at != NEVER) & (state.step < state.sent_at + tau)
+    in_flight = spec.schedule.in_flight(state.step, state.sent_at)
 
     def one(group, j, p, out):
         return group.scatter(out, j, layout.read(state.inflight, group, p))
@@ -630,7 +629,7 @@ def message_bytes(spec: StreamingSpec, params: Params) -> np.ndarray:
         )
     arrays = eqx.filter(params, eqx.is_inexact_array)
     layout = spec.layout_of(arrays)
-    per_group = [_message_bytes(spec, layout, g, arrays) for g in layout.groups]
+    per_group = [_message_bytes(spec, g, arrays) for g in layout.groups]
     return np.asarray([per_group[g] for g in layout.group_of], np.int64)
 
 
@@ -674,7 +673,7 @@ def _deltas_like(spec: StreamingSpec, group: Any, leaves: list[Array]) -> list[A
     ]
 
 
-def _message_bytes(spec: StreamingSpec, layout: Layout, group: Any, arrays) -> int:
+def _message_bytes(spec: StreamingSpec, group: Any, arrays) -> int:
     """Bytes of one replica's packed message for a member of `group`."""
     deltas = _deltas_like(spec, group, _leaves(arrays))
     key = jnp.zeros((2,), jnp.uint32)

@@ -52,7 +52,6 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import jax.random as jr
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -63,8 +62,8 @@ from ..base import Algorithm, PostedExchange, jit_step
 from ..compression import Compressor
 from ..fragments import Fragments
 from ..streaming import local_phase, message_bytes, sync_phase
-from .exchange import _assemble
-from .mesh import AXIS, sharded_step
+from .exchange import _assemble, replica_keys
+from .mesh import AXIS, replica_mesh, sharded_step
 from .wire import Wire
 
 
@@ -79,8 +78,7 @@ class _Posted:
 
     @staticmethod
     def _wire(compressor, fragments, deltas, key):
-        m = deltas[0].shape[0]
-        keys = [jr.split(jr.fold_in(key, i), m) for i in range(len(deltas))]
+        keys = replica_keys(key, len(deltas), deltas[0].shape[0])
         return Wire(compressor, fragments, deltas, keys, 0), keys
 
     def message_bytes(
@@ -173,8 +171,6 @@ def courier_meshes(
         ValueError: if a process has no device left to compute, or not exactly one
             communication device.
     """
-    from .mesh import replica_mesh
-
     devices = list(jax.devices() if devices is None else devices)
     procs = sorted({d.process_index for d in devices})
     if comm_devices is None:
@@ -371,16 +367,14 @@ class Courier:
         sent_at = np.asarray(_read(state.sent_at))
         tau = min(self.spec.schedule.overlap)
         self._t = step
-        for p in np.flatnonzero((sent_at >= 0) & (step < sent_at + tau)):
+        for p in np.flatnonzero(self.spec.schedule.in_flight(step, sent_at)):
             self._post_one(state, int(p), int(sent_at[p]) + tau)
         return state
 
     def _post(self, state: Any, t: int) -> None:
-        sched = self.spec.schedule
-        tau = min(sched.overlap)
-        for p, f in enumerate(sched.first_send):
-            if t >= f and (t - f) % sched.sync_every == 0:
-                self._post_one(state, p, t + tau)
+        tau = min(self.spec.schedule.overlap)
+        for p in np.flatnonzero(self.spec.schedule.sent(t)):
+            self._post_one(state, int(p), t + tau)
 
     def _post_one(self, state: Any, p: int, arrival: int) -> None:
         k, size = int(self._layout.slot_of[p]), int(self._sizes[p])
@@ -419,7 +413,8 @@ class Courier:
 
     def _to_comm(self, x: Array) -> Array:
         """This process's replicas' messages, on its communication device."""
-        (dev,) = [d for d in self.comm_mesh.devices.flat if d.process_index == _me()]
+        me = jax.process_index()
+        (dev,) = [d for d in self.comm_mesh.devices.flat if d.process_index == me]
         shards = sorted(
             (s for s in x.addressable_shards if s.replica_id == 0),
             key=lambda s: s.index[0].start or 0,
@@ -441,10 +436,6 @@ class Courier:
 # ----------------------------------------------------------------------------- helpers
 
 
-def _me() -> int:
-    return jax.process_index()
-
-
 def _read(x: Any) -> Any:
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
         x = x.addressable_data(0)
@@ -452,26 +443,18 @@ def _read(x: Any) -> Any:
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def _take_jit(outbox, k, size, sharding):
+def _take(outbox: Array, k: int, size: int, sharding: Any) -> Array:
+    """Fragment slot k's messages `[M, size]` from the outbox `[M, K, B]`."""
     out = outbox[:, k, :size]
     if sharding is not None:
         out = jax.lax.with_sharding_constraint(out, sharding)
     return out
 
 
-def _take(outbox: Array, k: int, size: int, sharding: Any) -> Array:
-    """Fragment slot k's messages `[M, size]` from the outbox `[M, K, B]`."""
-    return _take_jit(outbox, k, size, sharding)
-
-
 @functools.partial(jax.jit, static_argnums=(2, 3, 4), donate_argnums=(0,))
-def _put_jit(inbox, messages, k, size, sharding):
+def _put(inbox: Array, messages: Array, k: int, size: int, sharding: Any) -> Array:
+    """The inbox `[K, M, B]` with slot k's first `size` bytes set to `messages`."""
     out = inbox.at[k, :, :size].set(messages)
     if sharding is not None:
         out = jax.lax.with_sharding_constraint(out, sharding)
     return out
-
-
-def _put(inbox: Array, messages: Array, k: int, size: int, sharding: Any) -> Array:
-    """The inbox `[K, M, B]` with slot k's first `size` bytes set to `messages`."""
-    return _put_jit(inbox, messages, k, size, sharding)

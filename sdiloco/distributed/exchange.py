@@ -95,7 +95,7 @@ def sharded_exchange(mesh: Mesh) -> Callable[..., tuple[list[Array], list[Array]
                 f"M={num_replicas} replicas are not a multiple of the mesh's "
                 f"{mesh.shape[AXIS]} devices on axis {AXIS!r}."
             )
-        keys = [jr.split(jr.fold_in(key, i), num_replicas) for i in range(len(deltas))]
+        keys = replica_keys(key, len(deltas), num_replicas)
         wires = [
             Wire(compressor, fragments, deltas, keys, p)
             for p in range(fragments.num_fragments)
@@ -122,6 +122,12 @@ def sharded_exchange(mesh: Mesh) -> Callable[..., tuple[list[Array], list[Array]
 
 
 # ----------------------------------------------------------------------------- helpers
+
+
+def replica_keys(key: PRNGKeyArray, num_leaves: int, num_replicas: int) -> list[Array]:
+    """The keys of `communication.compress`: one `[M, ...]` split per leaf, so that
+    every exchange quantizes each replica's Δ with the simulation's randomness."""
+    return [jr.split(jr.fold_in(key, i), num_replicas) for i in range(num_leaves)]
 
 
 def _exchange_local(wires, fragments, num_replicas, send_all, data, deltas, keys, sent):
