@@ -5,8 +5,8 @@ A fragment's elements are a static set: whole leaves and rows of stacked leaves.
 *pieces*) and scatters them back, so that computing Δ, compressing, exchanging, the
 outer step and the merge touch only the fragment being synchronised. Fragments with the
 same shape signature share one group, whose row indices are a table indexed by the
-member's position: one compiled branch serves them all (e.g. every block fragment of a
-stacked transformer), so the program does not grow with P.
+member's position: one compiled loop body serves them all (e.g. every block fragment
+of a stacked transformer), so the program does not grow with P.
 
 The averaged outer gradient Δ̄ of a sent fragment waits in an in-flight *slot* until
 its outer step (τ_min steps later). `make_layout` reads off the schedule how many
@@ -77,6 +77,15 @@ class Group:
         rows = self.rows[k]
         if rows is None:
             return x
+        if rows.shape[1] <= ROW_BY_ROW:
+            table = jnp.asarray(rows)[j]
+            return jnp.stack(
+                [
+                    jax.lax.dynamic_index_in_dim(x, table[r], axis, keepdims=False)
+                    for r in range(rows.shape[1])
+                ],
+                axis,
+            )
         start, stride = _progression(rows, x.shape[axis])
         if stride is None:  # any rows: a gather
             return jnp.take(x, jnp.asarray(rows)[j], axis)
@@ -95,6 +104,12 @@ class Group:
         piece = piece.astype(x.dtype)
         if rows is None:
             return piece
+        if rows.shape[1] <= ROW_BY_ROW:
+            table = jnp.asarray(rows)[j]
+            for r in range(rows.shape[1]):
+                row = jax.lax.index_in_dim(piece, r, axis, keepdims=False)
+                x = jax.lax.dynamic_update_index_in_dim(x, row, table[r], axis)
+            return x
         start, stride = _progression(rows, x.shape[axis])
         if stride is None:
             index = (slice(None),) * axis + (jnp.asarray(rows)[j],)
@@ -166,36 +181,93 @@ class Layout:
     def for_each(
         self,
         selected: Bool[Array, " P"],
-        fn: Callable[[Group, Int[Array, ""], Int[Array, ""], Any], Any],
+        fn: Callable[["Visit", Any, Any], Any],
         carry: Any,
+        inputs: Any = None,
     ) -> Any:
-        """`carry = fn(group, j, p, carry)` for every selected fragment p, in order.
+        """`carry = fn(visit, inputs, carry)` for every selected fragment p.
 
-        A loop over the selected fragments only (usually one), each dispatched to its
-        group's branch: the program holds one copy of `fn` per group, not per
-        fragment, and a step where nothing is selected runs no iteration.
+        One loop per group, over the group's selected members only (usually one
+        fragment in all, often none): the program holds one copy of `fn` per group,
+        not per fragment, and a step where nothing is selected runs no iteration.
+        The fragments are visited group by group, so `fn` must not depend on the
+        order (each fragment touches only its own elements).
+
+        `inputs` holds what `fn` reads and does not change (e.g. θ_g when sending),
+        `carry` what it updates. `fn` reads the state only through them, never from
+        a closure, gathers the fragment's pieces (`visit.group.gather`), computes on
+        them inside `visit.isolated` and scatters the results back. Why:
+
+        - no conditional holds the state: a `lax.switch` over the groups, with the
+          parameters among its operands, made XLA copy the whole carried leaves on
+          entry to and exit from the branch (about 4x the model's bytes per
+          synchronised fragment); a piece is instead read and written in place in
+          the loop body;
+        - nothing is hoisted out of the loop: XLA moves what does not depend on the
+          loop (with one whole-leaf fragment, as in DiLoCo: Δ, its quantization, the
+          all-gather; always: broadcasts of constants, such as a quantizer's grid
+          over the fragment) before it, to run at every step whether or not
+          anything is selected. An optimization barrier ties the state read to the
+          iteration, and `isolated` keeps the computation in a conditional on the
+          iteration being live, which XLA cannot resolve.
         """
-        group_of = jnp.asarray(self.group_of)
-        index = jnp.asarray(self.index_in_group)
-        num = len(self.group_of)
-        order = jnp.nonzero(selected, size=num, fill_value=0)[0]
+        for group in self.groups:
+            members = jnp.asarray(group.members, jnp.int32)
+            chosen = selected[members]
+            if len(group.members) == 1:  # no search (a few thunks fewer per step)
+                order = jnp.zeros(1, jnp.int32)
+            else:
+                order = jnp.nonzero(chosen, size=len(group.members), fill_value=0)[0]
+            count = jnp.sum(chosen, dtype=jnp.int32)
 
-        def body(i, carry):
-            p = order[i]
-            branches = [lambda c, g=g: fn(g, index[p], p, c) for g in self.groups]
-            # The switch must stay a conditional the compiler cannot see through:
-            # when it can resolve the branch (one group, or a constant table), XLA
-            # inlines it into the loop body and hoists whatever does not depend on
-            # the loop (a whole-leaf fragment's Δ, its quantization, its
-            # all-gather) out of the loop, to run at every step whether or not
-            # anything is selected. An opaque index and a branch never taken
-            # prevent that.
-            branches.append(lambda c: c)
-            which = jax.lax.optimization_barrier(group_of[p])
-            return jax.lax.switch(which, branches, carry)
+            def body(i, carry, group=group, members=members, order=order, count=count):
+                # The counter i itself goes through the barrier: with one member,
+                # order[i] does not depend on i and the barrier would not hold.
+                i, j, ins, carry = jax.lax.optimization_barrier(
+                    (i, order[i], inputs, carry)
+                )
+                return fn(Visit(group, j, members[j], i < count), ins, carry)
 
-        count = jnp.sum(selected, dtype=jnp.int32)
-        return jax.lax.fori_loop(0, count, body, carry)
+            carry = jax.lax.fori_loop(0, count, body, carry)
+        return carry
+
+
+@dataclasses.dataclass(frozen=True)
+class Visit:
+    """One selected fragment in `Layout.for_each`.
+
+    Attributes:
+        group: the fragment's group.
+        j: its position among the group's members (traced).
+        p: the fragment (traced).
+        live: true (traced): the loop iteration is a real one.
+    """
+
+    group: Group
+    j: Int[Array, ""]
+    p: Int[Array, ""]
+    live: Bool[Array, ""]
+
+    def isolated(self, compute: Callable[..., Any], *operands: Any) -> Any:
+        """`compute(*operands)`, kept inside the loop over the selected fragments.
+
+        It runs in a conditional on `live`, whose other branch (never taken) gives
+        zeros of the same structure. Operands (and closed-over arrays) are only read,
+        so nothing is copied: pass the fragment's pieces, not the whole state.
+        """
+        shapes = jax.eval_shape(compute, *operands)
+
+        def skip(*_):
+            return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+        return jax.lax.cond(self.live, compute, skip, *operands)
+
+
+ROW_BY_ROW = 64
+"""A piece of at most this many rows of a stacked leaf is read and written one row at
+a time (a dynamic index per row): XLA:CPU then updates the leaf in place, where a
+strided or contiguous slice of several rows made it copy the whole leaf. More rows
+use one slice or gather, keeping the program small."""
 
 
 def _progression(rows: np.ndarray, length: int) -> tuple[np.ndarray, int | None]:

@@ -14,6 +14,7 @@ optax's element-wise optimizers; not of factored ones such as adafactor).
 """
 
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -49,6 +50,7 @@ def fragment_outer_step(
     outer_grad: list[Array],
     fetch: Callable[[Array], Array] = lambda x: x,
     store: Callable[[Array], Array] = lambda x: x,
+    isolated: Callable[..., Any] = lambda compute, *operands: compute(*operands),
 ) -> tuple[Params, optax.OptState]:
     """One outer step of fragment p on its elements only (Alg. 2, l.11).
 
@@ -68,6 +70,8 @@ def fragment_outer_step(
         fetch: applied to every piece read from `params` and `state` (e.g. a move
             from host memory to the device, when they are offloaded).
         store: applied to every piece before it is written back (e.g. the move back).
+        isolated: `isolated(compute, *operands)` runs the update on the pieces
+            (`inflight.Visit.isolated` inside `Layout.for_each`; by default a call).
 
     Returns:
         The new global parameters and outer state.
@@ -90,19 +94,26 @@ def fragment_outer_step(
     s_pieces = [
         fetch(x[p]) if i < 0 else piece(x, i) for x, i in zip(s_leaves, param_index)
     ]
-    updates, new_state = outer.update(
-        jax.tree.unflatten(treedef, grads),
-        jax.tree.unflatten(s_def, s_pieces),
-        jax.tree.unflatten(treedef, pieces),
-    )
+
+    def update(grads, s_pieces, pieces):
+        updates, new_state = outer.update(
+            jax.tree.unflatten(treedef, grads),
+            jax.tree.unflatten(s_def, s_pieces),
+            jax.tree.unflatten(treedef, pieces),
+        )
+        new = [
+            (x + u.astype(x.dtype)).astype(x.dtype)
+            for x, u in zip(pieces, jax.tree.leaves(updates))
+        ]
+        return new, jax.tree.leaves(new_state)
+
+    new_pieces, new_s_pieces = isolated(update, grads, s_pieces, pieces)
     new_leaves = list(leaves)
-    for i, u in zip(range(len(leaves)), jax.tree.leaves(updates)):
-        if i in position:
-            x = pieces[i]
-            new = (x + u.astype(x.dtype)).astype(x.dtype)
-            new_leaves[i] = group.scatter_one(position[i], leaves[i], j, store(new))
+    for i in position:
+        new = store(new_pieces[i])
+        new_leaves[i] = group.scatter_one(position[i], leaves[i], j, new)
     out_state = []
-    for old, new, i in zip(s_leaves, jax.tree.leaves(new_state), param_index):
+    for old, new, i in zip(s_leaves, new_s_pieces, param_index):
         if i < 0:
             out_state.append(old.at[p].set(store(new)))
         elif i in position:

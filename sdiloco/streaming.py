@@ -441,35 +441,49 @@ def send(
     r_leaves = _leaves(state.replica_params)
     layout = spec.layout_of(eqx.filter(state.global_params, eqx.is_inexact_array))
 
-    def one(group, j, p, carry):
+    def one(v, inputs, carry):
+        g_leaves, r_leaves = inputs
         slots, ok, residual, outbox = carry
-        g = [spec.fetch(x) for x in group.gather(g_leaves, j)]
-        deltas = communication.outer_gradients(g, group.gather(r_leaves, j, axis=1))
-        if residual is not None:
-            deltas = [d + e for d, e in zip(deltas, group.gather(residual, j, axis=1))]
-        key = jr.fold_in(jr.fold_in(state.key, t), p)
+        g = [spec.fetch(x) for x in v.group.gather(g_leaves, v.j)]
+        r = v.group.gather(r_leaves, v.j, axis=1)
+        e = None if residual is None else v.group.gather(residual, v.j, axis=1)
+        key = jr.fold_in(jr.fold_in(state.key, t), v.p)
+        frags = v.group.piece_fragments()
+
+        def compute(g, r, e, key):
+            deltas = communication.outer_gradients(g, r)
+            if e is not None:
+                deltas = [d + x for d, x in zip(deltas, e)]
+            if spec.posted:
+                out, recon = spec.exchange.encode(spec.compressor, frags, deltas, key)
+                finite = jnp.ones((), bool)
+            else:
+                out, recon = spec.exchange(
+                    spec.compressor, frags, deltas, key, jnp.ones(1, bool)
+                )
+                finite = _finite(out)
+            errors = None if e is None else [d - q for d, q in zip(deltas, recon)]
+            return out, finite, errors
+
+        out, finite, errors = v.isolated(compute, g, r, e, key)
         if spec.posted:
-            messages, recon = spec.exchange.encode(
-                spec.compressor, group.piece_fragments(), deltas, key
-            )
-            k = jnp.asarray(layout.slot_of)[p]
+            k = jnp.asarray(layout.slot_of)[v.p]
             outbox = jax.lax.dynamic_update_slice(
-                outbox, messages[:, None, :], (0 * k, k, 0 * k)
+                outbox, out[:, None, :], (0 * k, k, 0 * k)
             )
         else:
-            mean, recon = spec.exchange(
-                spec.compressor, group.piece_fragments(), deltas, key, jnp.ones(1, bool)
-            )
-            slots = layout.write(slots, group, p, mean)
-            ok = ok.at[p].set(_finite(mean))
-        if residual is not None:
-            errors = [d - q for d, q in zip(deltas, recon)]
-            residual = group.scatter(residual, j, errors, axis=1)
+            slots = layout.write(slots, v.group, v.p, out)
+            ok = ok.at[v.p].set(finite)
+        if errors is not None:
+            residual = v.group.scatter(residual, v.j, errors, axis=1)
         return slots, ok, residual, outbox
 
     residual = None if state.residual is None else jax.tree.leaves(state.residual)
     slots, ok, residual, outbox = layout.for_each(
-        sent, one, (state.inflight, state.inflight_ok, residual, state.outbox)
+        sent,
+        one,
+        (state.inflight, state.inflight_ok, residual, state.outbox),
+        (g_leaves, r_leaves),
     )
     state = state._replace(
         outbox=outbox,
@@ -499,21 +513,28 @@ def receive(spec: StreamingSpec, state: StreamingState) -> StreamingState:
     layout = spec.layout_of(arrays)
     like = _leaves(arrays)
 
-    def one(group, j, p, carry):
+    def one(v, inbox, carry):
         slots, ok = carry
-        deltas = _deltas_like(spec, group, like)
-        frags = group.piece_fragments()
+        deltas = _deltas_like(spec, v.group, like)
+        frags = v.group.piece_fragments()
         size = spec.exchange.message_bytes(spec.compressor, frags, deltas, state.key)
-        k = jnp.asarray(layout.slot_of)[p]
+        k = jnp.asarray(layout.slot_of)[v.p]
         messages = jax.lax.dynamic_slice(
-            state.inbox, (k, 0 * k, 0 * k), (1, spec.num_replicas, size)
+            inbox, (k, 0 * k, 0 * k), (1, spec.num_replicas, size)
         )[0]
-        mean = spec.exchange.decode_mean(
-            spec.compressor, frags, messages, deltas, state.key
-        )
-        return layout.write(slots, group, p, mean), ok.at[p].set(_finite(mean))
 
-    slots, ok = layout.for_each(due, one, (state.inflight, state.inflight_ok))
+        def compute(messages):
+            mean = spec.exchange.decode_mean(
+                spec.compressor, frags, messages, deltas, state.key
+            )
+            return mean, _finite(mean)
+
+        mean, finite = v.isolated(compute, messages)
+        return layout.write(slots, v.group, v.p, mean), ok.at[v.p].set(finite)
+
+    slots, ok = layout.for_each(
+        due, one, (state.inflight, state.inflight_ok), state.inbox
+    )
     return state._replace(inflight=slots, inflight_ok=ok)
 
 
@@ -540,13 +561,23 @@ def outer_update(
         )
     layout = spec.layout_of(g_arrays)
 
-    def one(group, j, p, carry):
-        grad = layout.read(state.inflight, group, p)
+    def one(v, inflight, carry):
+        grad = layout.read(inflight, v.group, v.p)
         return fragment_outer_step(
-            spec.outer, group, j, p, *carry, grad, spec.fetch, spec.store
+            spec.outer,
+            v.group,
+            v.j,
+            v.p,
+            *carry,
+            grad,
+            spec.fetch,
+            spec.store,
+            v.isolated,
         )
 
-    g_arrays, outer_state = layout.for_each(applied, one, (g_arrays, state.outer_state))
+    g_arrays, outer_state = layout.for_each(
+        applied, one, (g_arrays, state.outer_state), state.inflight
+    )
     state = state._replace(
         global_params=eqx.combine(g_arrays, g_static), outer_state=outer_state
     )
@@ -574,16 +605,26 @@ def merge_arrivals(
     r_leaves, r_def = jax.tree.flatten(r_arrays)
     layout = spec.layout_of(eqx.filter(state.global_params, eqx.is_inexact_array))
 
-    def one(group, j, p, r_leaves):
-        new = []
-        g_pieces = [spec.fetch(x) for x in group.gather(g_leaves, j)]
-        for r, g in zip(group.gather(r_leaves, j, axis=1), g_pieces):
-            due = merging[:, p].reshape((-1,) + (1,) * g.ndim)
-            ok = keep[p].reshape((1,) * g.ndim)
-            new.append(merge(r, g, due, ok, spec.alpha))
-        return group.scatter(r_leaves, j, new, axis=1)
+    def one(v, g_leaves, r_leaves):
+        g = [spec.fetch(x) for x in v.group.gather(g_leaves, v.j)]
+        r = v.group.gather(r_leaves, v.j, axis=1)
 
-    r_leaves = layout.for_each(jnp.any(merging, axis=0), one, r_leaves)
+        def compute(r, g, due, ok):
+            return [
+                merge(
+                    x,
+                    y,
+                    due.reshape((-1,) + (1,) * y.ndim),
+                    ok.reshape((1,) * y.ndim),
+                    spec.alpha,
+                )
+                for x, y in zip(r, g)
+            ]
+
+        new = v.isolated(compute, r, g, merging[:, v.p], keep[v.p])
+        return v.group.scatter(r_leaves, v.j, new, axis=1)
+
+    r_leaves = layout.for_each(jnp.any(merging, axis=0), one, r_leaves, g_leaves)
     r_arrays = jax.tree.unflatten(r_def, r_leaves)
     state = state._replace(replica_params=eqx.combine(r_arrays, r_static))
     return state, merging
@@ -610,11 +651,12 @@ def inflight_outer_gradients(spec: StreamingSpec, state: StreamingState) -> Para
     layout = spec.layout_of(arrays)
     in_flight = spec.schedule.in_flight(state.step, state.sent_at)
 
-    def one(group, j, p, out):
-        return group.scatter(out, j, layout.read(state.inflight, group, p))
+    def one(v, inflight, out):
+        return v.group.scatter(out, v.j, layout.read(inflight, v.group, v.p))
 
     out = [jnp.zeros(x.shape, state.inflight.dtype) for x in leaves]
-    return jax.tree.unflatten(treedef, layout.for_each(in_flight, one, out))
+    out = layout.for_each(in_flight, one, out, state.inflight)
+    return jax.tree.unflatten(treedef, out)
 
 
 def message_bytes(spec: StreamingSpec, params: Params) -> np.ndarray:

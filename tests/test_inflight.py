@@ -1,15 +1,19 @@
 """Fragment groups and in-flight slots: exact partitions, conflict-free slots, and a
 state whose in-flight storage is sized by the schedule."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import optax
+import pytest
 from helpers import toy_params
 from hypothesis import given, settings, strategies as st
 
 import sdiloco
+from sdiloco import streaming
 from sdiloco.inflight import assign_slots, make_layout
 from sdiloco.schedule import make_schedule
 
@@ -101,3 +105,98 @@ def test_state_holds_one_slot_of_the_largest_fragment():
     # scalars (steps, counts, key): far below the old 6N.
     assert share["inflight"] == 4 * max(frags.sizes()) < 4 * n
     assert sum(share.values()) <= 4 * (5 * n + max(frags.sizes())) + 64
+
+
+# ------------------------------------------------------ the compiled sync's shape
+
+
+def _computations(text: str) -> tuple[dict[str, list[str]], str]:
+    """HLO computation name -> its instruction lines, and the entry's name."""
+    comps: dict[str, list[str]] = {}
+    name = entry = ""
+    for line in text.splitlines():
+        if line and not line.startswith(" ") and line.rstrip().endswith("{"):
+            head = line.split(" (")[0].split()
+            name = head[-1].lstrip("%")
+            comps[name] = []
+            if head[0] == "ENTRY":
+                entry = name
+        elif name and line.startswith("  "):
+            comps[name].append(line.strip())
+    return comps, entry
+
+
+def _elements(line: str) -> int:
+    m = re.match(r"%?[\w.\-]+ = \w+\[([\d,]*)\]", line)
+    if not m:
+        return 0
+    return int(np.prod([int(d) for d in m.group(1).split(",") if d]))
+
+
+def _always_run(comps: dict[str, list[str]], entry: str) -> set[str]:
+    """The computations that run whenever the program does: reachable from the
+    entry without entering a loop body or a conditional branch (fusions are judged
+    by their own instruction in the caller)."""
+    seen, todo = set(), [entry]
+    while todo:
+        c = todo.pop()
+        if c not in seen:
+            seen.add(c)
+            for line in comps[c]:
+                if " fusion(" not in line:
+                    todo.extend(re.findall(r"to_apply=%?([\w.\-]+)", line))
+    return seen
+
+
+@pytest.mark.parametrize("kind", ["streaming", "diloco"])
+def test_compiled_sync_works_only_inside_the_loops_and_copies_no_leaf(kind):
+    """The sync half of a step (send, outer step, merge), compiled with the state
+    donated: outside the loops over due fragments nothing of a fragment's size is
+    computed (XLA hoists loop-invariant work, e.g. DiLoCo's Δ or a quantizer's grid
+    broadcast over the fragment, to run at every step unless prevented), and no
+    copy anywhere is as large as a stacked leaf (a conditional holding the
+    parameters made XLA copy them whole on entry and exit)."""
+    params = {
+        "embed": jnp.ones((8, 16)),
+        "blocks": jnp.ones((8, 64, 64)),
+        "head": jnp.ones((64,)),
+    }
+    labels = {"embed": 0, "head": 0, "blocks": np.arange(8) % 2}
+    streams = kind == "streaming"
+    alg = sdiloco.streaming_diloco(  # DiLoCo: one whole-model fragment, τ = 0
+        lambda q, b: 0.0,
+        inner=optax.adamw(1e-3),
+        num_replicas=2,
+        sync_every=8,
+        fragments=sdiloco.fragments_from_labels(params, labels) if streams else None,
+        overlap=1 if streams else 0,
+        compressor="e3m0",
+    )
+    spec = alg.spec
+
+    def sync(state):
+        state, sent = streaming.send(spec, state)
+        local = {"loss/replicas": jnp.zeros(2), "sync/sent": sent}
+        return streaming.sync_phase(spec, state, local)
+
+    state = alg.init(params)
+    text = jax.jit(sync, donate_argnums=0).lower(state).compile().as_text()
+    comps, entry = _computations(text)
+    quarter = 2 * 64 * 64  # a quarter of the smallest fragment
+    free = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant"}
+    free |= {"while", "call", "conditional"}
+    for name in _always_run(comps, entry):
+        for line in comps[name]:
+            op = re.search(r"\}? ([\w-]+)\(", line.split(" = ", 1)[-1])
+            if _elements(line) >= quarter and op and op.group(1) not in free:
+                raise AssertionError(f"fragment-sized work at every step: {line}")
+    if not streams:
+        return  # a whole-leaf fragment: a copy of a leaf is a copy of the fragment
+    leaf = 8 * 64 * 64
+    copies = [
+        line
+        for lines in comps.values()
+        for line in lines
+        if " copy(" in line and _elements(line) >= leaf
+    ]
+    assert not copies, copies
