@@ -1,6 +1,7 @@
 """Throughput on a sync-heavy workload: Streaming DiLoCo against M plain optax models.
 
-Usage: `python -m benchmarks.sync_heavy [--runs 6] [--steps 200]`
+Usage: `python -m benchmarks.sync_heavy [--runs 6] [--steps 200] [--layers 16]
+[--dim 256] [--batch 4]`
 
 The workload where synchronisation costs the most relative to compute: a ~1M-parameter
 stacked MLP (`fragment_cost.stacked_mlp`), M = 2, a small batch, H = 20 and 2
@@ -39,13 +40,15 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=6)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch", type=int, default=4, help="examples per replica")
+    parser.add_argument("--layers", type=int, default=16, help="blocks (even)")
+    parser.add_argument("--dim", type=int, default=256, help="block width")
     args = parser.parse_args()
     print(_common.machine())
     m, h = 2, 20
-    params = stacked_mlp(jr.key(0), 16, 256)
+    params = stacked_mlp(jr.key(0), args.layers, args.dim)
     inner = optax.adamw(1e-3)
     frags = sdiloco.fragments_from_labels(
-        params, {"embed": 0, "head": 0, "blocks": np.arange(16) % 2}
+        params, {"embed": 0, "head": 0, "blocks": np.arange(args.layers) % 2}
     )
     alg = sdiloco.streaming_diloco(
         loss_fn,
