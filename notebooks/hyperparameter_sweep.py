@@ -65,6 +65,8 @@ searches = {
     for size in SIZES
     for name, preset in tuning.PRESETS.items()
 }
+if not FAST:  # the presets' defaults for these sizes (`config.TUNED`)
+    tuning.save_tuned(searches)
 
 # %% [markdown]
 # ## The chosen settings

@@ -110,3 +110,55 @@ def test_every_method_config_builds_its_factory():
         streaming = isinstance(c.method, config_lib.StreamingConfig)
         num_fragments = c.method.fragments(model).num_fragments if streaming else 1
         assert len(alg.bits_per_fragment(model)) == num_fragments
+
+
+def test_presets_start_from_the_tuned_values_of_a_swept_size(monkeypatch):
+    table = {
+        "streaming_overlap_fp4": {
+            "tiny-xs": {
+                "inner.lr": 0.024,
+                "method.outer.lr": 0.6,
+                "method.outer.momentum": 0.5,
+                "data.global_batch_size": 8,
+            }
+        }
+    }
+    monkeypatch.setattr(config_lib, "TUNED", table)
+    c = config_lib.preset("streaming_overlap_fp4", model="tiny-xs")
+    assert c.inner.lr == 0.024 and c.data.global_batch_size == 8
+    assert (c.method.outer.lr, c.method.outer.momentum) == (0.6, 0.5)
+    # What the caller gives wins; the rest stays tuned.
+    c = config_lib.preset(
+        "streaming_overlap_fp4",
+        model="tiny-xs",
+        inner={"lr": 1e-3},
+        method={"outer": {"lr": 0.3}},
+    )
+    assert (c.inner.lr, c.method.outer.lr, c.method.outer.momentum) == (1e-3, 0.3, 0.5)
+    assert c.data.global_batch_size == 8
+    # Untuned: another size, another method, or tuned=False.
+    default = config_lib.preset("streaming_overlap_fp4", tuned=False, model="tiny-xs")
+    assert default.inner.lr == config_lib.InnerConfig().lr
+    assert default.method.outer.lr == 0.4 and default.data.global_batch_size == 16
+    assert config_lib.preset("streaming_overlap_fp4", model="tiny-s") == (
+        config_lib.preset("streaming_overlap_fp4", tuned=False, model="tiny-s")
+    )
+    assert config_lib.preset("diloco", model="tiny-xs") == config_lib.preset(
+        "diloco", tuned=False, model="tiny-xs"
+    )
+
+
+def test_shipped_tuned_table_names_real_presets_sizes_and_fields():
+    base = {}
+    for name, sizes in config_lib.TUNED.items():
+        assert name in config_lib.PRESETS
+        for size, values in sizes.items():
+            model_lib.preset(size)  # a real size
+            c = config_lib.preset(name, model=size)
+            base = config_lib.preset(name, tuned=False, model=size)
+            for path, value in values.items():
+                obj = c
+                for part in path.split("."):
+                    obj = getattr(obj, part)
+                assert obj == value, (name, size, path)
+    assert base  # the table is not empty

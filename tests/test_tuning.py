@@ -1,6 +1,7 @@
 """The tuning protocol: the budget it trains at and the search it runs (no training:
 the trainer is a known function of the hyper-parameters)."""
 
+import json
 import math
 
 import numpy as np
@@ -127,3 +128,85 @@ def test_paired_gap_is_the_t_interval_of_seed_paired_differences():
     assert gap["relative"] == pytest.approx(0.2 / 2.0)
     with pytest.raises(ValueError, match="2 seed pairs"):
         tuning.paired_gap([1.0], [1.1])
+
+
+def test_rounds_sweep_retunes_the_outer_lr_at_each_h_and_pairs_by_seed(monkeypatch):
+    """A fake trainer whose best outer lr is 0.4 below H = 20 and 0.8 above, and
+    whose held-out loss grows with H: the sweep keeps the tokens, sets H = steps // R,
+    picks that outer lr at each H on the validation split, and pairs seeds with
+    Data-Parallel's held-out runs."""
+    calls = []
+
+    def loss(config, seed):
+        c = config
+        if c.method.kind == "data_parallel":
+            return (
+                math.log2(c.inner.lr / 0.012) ** 2
+                + abs(math.log2(c.data.global_batch_size / 8))
+                + 1.0
+                + 0.01 * seed
+            )
+        h = c.method.sync_every
+        best_outer = 0.4 if h < 20 else 0.8
+        return (
+            math.log2(c.inner.lr / 0.006) ** 2
+            + (c.method.outer.momentum - 0.9) ** 2
+            + abs(math.log2(c.data.global_batch_size / 16))
+            + (c.method.outer.lr - best_outer) ** 2
+            + 1.0
+            + 0.001 * h
+            + 0.02 * seed**2
+        )
+
+    class Fake:
+        def __init__(self, value):
+            self.value = value
+
+        def final(self, metric="eval/global"):
+            return self.value
+
+    def run_one(name, config, seed):
+        calls.append((config.data.validation, seed))
+        return Fake(loss(config, seed))
+
+    monkeypatch.setattr(tuning.experiments, "run_one", run_one)
+    regime = tuning.Regime(20.0, 50)
+    rows = tuning.rounds_sweep(
+        "tiny-xxs", [12, 25, 100], regime=regime, seeds=(0, 1, 2)
+    )
+    assert [r["rounds"] for r in rows] == [12, 25, 100]
+    for r in rows:
+        base = config_lib.preset(
+            "streaming_overlap_fp4", model="tiny-xxs", data={"global_batch_size": 16}
+        )
+        steps = regime.apply(base).steps
+        assert r["H"] == steps // r["rounds"]
+        assert r["outer lr"] == (0.4 if r["H"] < 20 else 0.8)
+        dp = [1.0 + 0.01 * s for s in (0, 1, 2)]
+        assert r["Data-Parallel losses"] == pytest.approx(dp)
+        method = [1.0 + 0.001 * r["H"] + 0.02 * s**2 for s in (0, 1, 2)]
+        assert r["losses"] == pytest.approx(method)
+        d = np.subtract(method, dp)
+        assert r["gap"]["mean"] == pytest.approx(d.mean())
+        assert r["gap"]["n"] == 3
+    held_out = [seed for validation, seed in calls if not validation]
+    assert set(held_out) == {0, 1, 2}
+
+
+def test_save_tuned_writes_each_axis_choice_and_keeps_other_entries(tmp_path):
+    path = tmp_path / "tuned.json"
+    path.write_text('{"diloco": {"tiny-s": {"inner.lr": 0.01}}}')
+    best = _base(inner={"lr": 0.012}, method={"outer": {"lr": 0.8, "momentum": 0.5}})
+    best = best.replace(data={"global_batch_size": 32})
+    table = tuning.save_tuned(
+        {("tiny-xxs", "Streaming FP4"): tuning.Search(best, [])}, str(path)
+    )
+    written = json.loads(path.read_text())
+    assert written == table
+    assert written["streaming_overlap_fp4"]["tiny-xxs"] == {
+        "inner.lr": 0.012,
+        "method.outer.lr": 0.8,
+        "method.outer.momentum": 0.5,
+        "data.global_batch_size": 32,
+    }
+    assert written["diloco"] == {"tiny-s": {"inner.lr": 0.01}}

@@ -19,6 +19,7 @@ strided, E3M0 outer gradients, outer SGD(0.4, Nesterov 0.9), inner AdamW
 
 import dataclasses
 import json
+import pathlib
 from collections.abc import Callable
 from typing import Any
 
@@ -270,8 +271,14 @@ PRESETS: dict[str, Callable[..., RunConfig]] = {
 "streaming_overlap_fp4" ("Streaming DiLoCo with overlapped FP4 communication")."""
 
 
-def preset(name: str, **changes: Any) -> RunConfig:
-    """The `RunConfig` of a named preset, with changes (see `RunConfig.replace`)."""
+def preset(name: str, *, tuned: bool = True, **changes: Any) -> RunConfig:
+    """The `RunConfig` of a named preset, with changes (see `RunConfig.replace`).
+
+    With `tuned` (the default), a method and model size that the tuning protocol has
+    swept (`TUNED`) start from the chosen inner learning rate, outer learning rate
+    and momentum, and global batch; a value given in `changes` still wins. Other
+    methods and sizes keep the preset's own values, as does `tuned=False`.
+    """
     if name not in PRESETS:
         raise ValueError(f"preset={name!r}; allowed: {sorted(PRESETS)}.")
     if "sync_every" in changes and name == "data_parallel":
@@ -279,4 +286,43 @@ def preset(name: str, **changes: Any) -> RunConfig:
             f"sync_every={changes['sync_every']!r} with preset 'data_parallel'; "
             "Data-Parallel synchronises every step and has no H."
         )
-    return PRESETS[name](**changes)
+    config = PRESETS[name](**changes)
+    if not tuned:
+        return config
+    given = set(_paths(changes))
+    for path, value in TUNED.get(name, {}).get(config.model, {}).items():
+        if not any(path == g or path.startswith(g + ".") for g in given):
+            config = config.replace(**_nested(path, value))
+    return config
+
+
+def _load_tuned() -> dict[str, dict[str, dict[str, Any]]]:
+    text = (pathlib.Path(__file__).parent / "tuned.json").read_text()
+    return {k: v for k, v in json.loads(text).items() if not k.startswith("_")}
+
+
+TUNED: dict[str, dict[str, dict[str, Any]]] = _load_tuned()
+"""Preset → model size → the tuned values (dotted config paths), as chosen by the
+tuning protocol (`sdiloco.paper.tuning`, written by the `hyperparameter_sweep`
+notebook into `sdiloco/lab/tuned.json`): 20 tokens per parameter, 50 outer rounds,
+validation split, one seed."""
+
+
+def _paths(changes: dict[str, Any], prefix: str = "") -> list[str]:
+    """The dotted paths a (nested) changes dict sets; `sync_every` is the method's."""
+    out = []
+    for key, value in changes.items():
+        key = "method.sync_every" if not prefix and key == "sync_every" else key
+        if isinstance(value, dict):
+            out += _paths(value, f"{prefix}{key}.")
+        else:
+            out.append(f"{prefix}{key}")
+    return out
+
+
+def _nested(path: str, value: Any) -> dict[str, Any]:
+    """`{"a": {"b": value}}` for "a.b"."""
+    head, *rest = path.split(".")
+    for part in reversed(rest):
+        value = {part: value}
+    return {head: value}

@@ -246,9 +246,43 @@ def tune(
 ) -> Search:
     """The protocol for one method and model size: `coordinate_search` of
     `standard_axes` from the preset's defaults, on the validation split."""
-    base = make_preset(preset, model=model, data={"validation": True})
+    base = make_preset(preset, tuned=False, model=model, data={"validation": True})
     axes = standard_axes(base.method.kind) if axes is None else axes
     return coordinate_search(regime.apply(base), axes, regime=regime, seeds=seeds)
+
+
+def save_tuned(
+    searches: dict[tuple[str, str], Search], path: str | None = None
+) -> dict[str, dict[str, dict[str, Any]]]:
+    """Write the chosen values into the presets' table (`config.TUNED`).
+
+    Args:
+        searches: (model size, method name in `PRESETS`) → its `Search`.
+        path: the JSON file; default `sdiloco/lab/tuned.json`, which `config.preset`
+            reads (sizes and methods not in `searches` keep their entries).
+
+    Returns:
+        The table written.
+    """
+    import json
+    import pathlib
+
+    from ..lab import config as config_lib
+
+    target = pathlib.Path(
+        path or pathlib.Path(config_lib.__file__).parent / "tuned.json"
+    )
+    table = json.loads(target.read_text()) if target.exists() else {}
+    for (size, name), search in searches.items():
+        axes = standard_axes(search.best.method.kind)
+        table.setdefault(PRESETS[name], {})[size] = search.best_values(axes)
+    table["_source"] = (
+        "sdiloco.paper.tuning via notebooks/hyperparameter_sweep: coordinate search "
+        "on the validation split at 20 tokens per parameter and 50 outer rounds, one "
+        "seed per trial; records in paper_figures/runs/."
+    )
+    target.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    return table
 
 
 def headline(
@@ -279,6 +313,63 @@ def headline(
             config = budget.apply(config)
         out[name] = [experiments.run_one(name, config, s).final(metric) for s in seeds]
     return out
+
+
+def rounds_sweep(
+    model: str,
+    rounds: Sequence[int],
+    *,
+    regime: Regime,
+    seeds: Sequence[int] = (0, 1, 2),
+    method: str = "Streaming FP4",
+    metric: str = "eval/global",
+    axes: Callable[[str], Sequence[Axis]] | None = None,
+) -> list[dict[str, Any]]:
+    """The held-out gap to Data-Parallel at other numbers of outer rounds, same tokens.
+
+    Separates the number of syncs from the training budget: for each R in `rounds`,
+    `method` at its tuned setting (`tune` at `regime`) with H = steps // R, its outer
+    learning rate swept again on the validation split at that H (the protocol's
+    outer-lr axis, extended at its edges: the best outer lr grows with H), then
+    trained with `seeds` on the held-out split and paired by seed with Data-Parallel
+    at its tuned setting (which has no rounds).
+
+    Returns:
+        One row per R: rounds, H, the outer lr chosen, the method's and
+        Data-Parallel's losses per seed, and `paired_gap`.
+    """
+    preset = PRESETS[method]
+
+    def tuned(p: str) -> RunConfig:
+        swept = None if axes is None else axes(p)
+        return tune(p, model, regime=regime, axes=swept).best
+
+    dp = tuned("data_parallel").replace(data={"validation": False})
+    dp_losses = [
+        experiments.run_one("Data-Parallel", dp, s).final(metric) for s in seeds
+    ]
+    best = tuned(preset)
+    swept = standard_axes(best.method.kind) if axes is None else axes(preset)
+    outer = [a for a in swept if a.field == "method.outer.lr"]
+    rows = []
+    for r in rounds:
+        at = dataclasses.replace(regime, rounds=r)
+        config = at.apply(best)
+        if outer:
+            config = coordinate_search(config, outer, regime=at).best
+        config = config.replace(data={"validation": False})
+        losses = [experiments.run_one(method, config, s).final(metric) for s in seeds]
+        rows.append(
+            {
+                "rounds": r,
+                "H": config.method.sync_every,
+                "outer lr": config.method.outer.lr,
+                "losses": losses,
+                "Data-Parallel losses": dp_losses,
+                "gap": paired_gap(dp_losses, losses),
+            }
+        )
+    return rows
 
 
 def paired_gap(base: Sequence[float], other: Sequence[float]) -> dict[str, float]:
@@ -342,6 +433,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="then train every method at its tuned setting on the held-out split "
         "with seeds 0..SEEDS-1 and print the seed-paired gaps to Data-Parallel",
     )
+    p.add_argument(
+        "--rounds-sweep",
+        type=int,
+        nargs="+",
+        metavar="R",
+        help="then the held-out gap of --rounds-method to Data-Parallel at each "
+        "number of outer rounds R (same tokens; outer lr retuned at each H), with "
+        "seeds 0..--rounds-seeds-1",
+    )
+    p.add_argument("--rounds-method", default="Streaming FP4", choices=list(PRESETS))
+    p.add_argument("--rounds-seeds", type=int, default=3)
     args = p.parse_args(argv)
     experiments.enable_compile_cache()
     regime = Regime(args.tokens_per_param, args.rounds)
@@ -362,6 +464,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name, values in losses.items():
             gap = paired_gap(dp, values) if name != "Data-Parallel" else None
             print(name, args.model, [round(v, 4) for v in values], gap, flush=True)
+    if args.rounds_sweep:
+        rows = rounds_sweep(
+            args.model,
+            args.rounds_sweep,
+            regime=regime,
+            seeds=range(args.rounds_seeds),
+            method=args.rounds_method,
+        )
+        for row in rows:
+            gap = row["gap"]
+            print(
+                args.rounds_method,
+                args.model,
+                f"rounds {row['rounds']} H {row['H']} outer lr {row['outer lr']}:",
+                f"gap {100 * gap['relative']:+.2f} % "
+                f"[{gap['low']:+.4f}, {gap['high']:+.4f}]",
+                flush=True,
+            )
     return 0
 
 
