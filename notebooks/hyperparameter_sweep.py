@@ -235,20 +235,80 @@ plotting.save_table(
 )
 print(plotting.markdown_table(headline_rows))
 
+# %% [markdown]
+# ## Rounds or tokens?
+#
+# The budgets above keep 50 outer rounds, so H grows with the tokens. To separate the
+# two, Streaming FP4 is trained again at the tuning budget (20 tokens per parameter)
+# with 12 to 200 outer rounds (H = steps / rounds), its outer learning rate swept again
+# on the validation split at each H (the best outer lr grows with H), the rest at its
+# tuned setting; then three seeds on the held-out split, paired with Data-Parallel's
+# (`tuning.rounds_sweep`).
+
 # %%
-fig, ax = plt.subplots(figsize=(6.0, 3.6))
+ROUNDS = {"tiny-xxs": (2, 4)} if FAST else {s: (12, 25, 50, 100, 200) for s in SIZES}
+rounds_rows = []
+for size, rounds in ROUNDS.items():
+    for row in tuning.rounds_sweep(
+        size, rounds, regime=REGIME, seeds=HEADLINE_SEEDS, axes=axes
+    ):
+        gap, dp_mean = (
+            row["gap"],
+            sum(row["Data-Parallel losses"]) / len(row["Data-Parallel losses"]),
+        )
+        rounds_rows.append(
+            {
+                "model": size,
+                "tokens/param": REGIME.tokens_per_param,
+                "rounds": row["rounds"],
+                "H": row["H"],
+                "outer lr": row["outer lr"],
+                "Data-Parallel loss": round(dp_mean, 4),
+                "method loss": round(sum(row["losses"]) / len(row["losses"]), 4),
+                "gap %": round(100 * gap["relative"], 2),
+                "interval % low": round(100 * gap["low"] / dp_mean, 2),
+                "interval % high": round(100 * gap["high"] / dp_mean, 2),
+                "seeds": gap["n"],
+            }
+        )
+plotting.save_table(
+    rounds_rows,
+    "hyperparameter_sweep_rounds",
+    title="Streaming FP4's held-out gap to Data-Parallel against the outer rounds",
+    notes=(
+        f"{REGIME.tokens_per_param:g} tokens per parameter; H = steps / rounds; "
+        "outer lr retuned at each H on the validation split, other settings tuned at "
+        "50 rounds; gap = Streaming FP4 − Data-Parallel held-out loss, paired by "
+        "seed, mean and 95 % t-interval, in % of Data-Parallel's loss."
+    ),
+    notebook=NOTEBOOK,
+    seeds=HEADLINE_SEEDS,
+)
+print(plotting.markdown_table(rounds_rows))
+
+# %%
+fig, (ax, ax_r) = plt.subplots(1, 2, figsize=(10.0, 3.8), sharey=True)
 markers = {"tiny-xxs": "o", "tiny-xs": "s"}
-for r in headline_rows:
-    x = r["tokens/param"] * (1.04 if r["method"] == "DiLoCo" else 0.96)
+
+
+def gap_bar(ax, x, r, color):
     ax.errorbar(
         x,
         r["gap %"],
         yerr=[[r["gap %"] - r["interval % low"]], [r["interval % high"] - r["gap %"]]],
         marker=markers.get(r["model"], "^"),
-        color=colors[r["method"]],
+        color=color,
         capsize=3,
         linestyle="none",
     )
+
+
+for r in headline_rows:
+    x = r["tokens/param"] * (1.04 if r["method"] == "DiLoCo" else 0.96)
+    gap_bar(ax, x, r, colors[r["method"]])
+for r in rounds_rows:
+    x = r["rounds"] * (1.04 if r["model"] == "tiny-xs" else 0.96)
+    gap_bar(ax_r, x, r, colors["Streaming FP4"])
 for name in ("DiLoCo", "Streaming FP4"):
     for size, m in markers.items():
         ax.plot(
@@ -259,23 +319,30 @@ for name in ("DiLoCo", "Streaming FP4"):
             linestyle="none",
             label=f"{name}, {size}",
         )
-ax.axhline(0, color="black", lw=0.8)
-ax.axhspan(-2, 2, color="tab:green", alpha=0.1, label="within 2 % (our goal)")
-ax.set_xscale("log")
+for a in (ax, ax_r):
+    a.axhline(0, color="black", lw=0.8)
+    a.axhspan(-2, 2, color="tab:green", alpha=0.1, label="within 2 % (our goal)")
+    a.set_xscale("log")
+    a.minorticks_off()
 budgets = sorted({r["tokens/param"] for r in headline_rows})
 ax.set_xticks(budgets, [f"{b:g}" for b in budgets])
-ax.minorticks_off()
 ax.set_xlabel(f"tokens per parameter ({REGIME.rounds} outer rounds)")
 ax.set_ylabel("held-out loss gap to Data-Parallel (%)")
-ax.set_title("Gap against the training budget, tuned settings")
+ax.set_title("Against the training budget")
 ax.legend(fontsize=7)
+ticks = sorted({r["rounds"] for r in rounds_rows})
+ax_r.set_xticks(ticks, [str(t) for t in ticks])
+ax_r.set_xlabel(
+    f"outer rounds ({REGIME.tokens_per_param:g} tokens per parameter; H = steps / rounds)"
+)
+ax_r.set_title("Against the number of outer rounds (Streaming FP4)")
 fig.tight_layout()
 plotting.save_figure(
     fig,
     "hyperparameter_sweep_headline",
     notebook=NOTEBOOK,
     seeds=HEADLINE_SEEDS,
-    results=headline_rows,
+    results=headline_rows + rounds_rows,
 )
 
 # %% [markdown]
@@ -284,7 +351,18 @@ plotting.save_figure(
 # measured: +5.7 % on tiny-xxs (95 % interval −1.3 to +12.7 %) and +5.2 % on tiny-xs
 # (+1.0 to +9.4 %) at 20 tokens per parameter, +5.3 % and +3.2 % (+1.6 to +4.8 %) on
 # tiny-xxs at 5 and 80. DiLoCo is further behind at small budgets (+15.4 %, +13.5 %)
-# and level with Streaming at 80 (+2.8 %). The goal of 2 % is not reached. The gap
-# shrinks with the budget, but the number of outer rounds is held at 50 here, so this
-# plot cannot separate the budget from the rounds; runs at other round counts, and
-# larger sizes, are the next sweeps.
+# and level with Streaming at 80 (+2.8 %).
+#
+# At a fixed 20 tokens per parameter, more outer rounds help too: from 12 rounds
+# (H ≈ 140) to 200 (H = 8) the gap falls from +5.7 to +3.2 % on tiny-xxs and from
+# +8.3 to +4.5 % on tiny-xs, most of it by 100 rounds (+4.7 %, +4.0 %). Sixteen times
+# the rounds and four times the tokens each take about two points off; neither reaches
+# the 2 % goal in the range measured, and in this sweep the 95 % intervals exclude 0
+# except at 200 rounds. Re-sweeping the outer learning rate at 50 rounds, after the
+# other axes had moved, chose 1.2 instead of 0.6 on tiny-xxs and gave +4.7 % instead
+# of +5.7 %: one pass of coordinate search leaves something on the table.
+#
+# What would close the gap, from this data and the Scaling Laws for DiLoCo study
+# (whose M = 2 gap falls with model size, to +0.7 % at 35M parameters; ours are
+# 23k and 83k): larger models first, then more tokens per parameter and H of 16 or
+# less. The tiny-s sweep (312k parameters) is the next point of the size trend.

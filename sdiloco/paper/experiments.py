@@ -139,7 +139,9 @@ def run_one(
 
     A finished run is recorded as `records_dir()/<record_key>.json` (config, evals,
     history rows, summary), written atomically; a later call reads it instead of
-    training, unless `retrain()`. FAST mode neither reads nor writes records.
+    training, unless `retrain()`. FAST mode neither reads nor writes records; it
+    keeps its finished runs in memory for the process instead (a notebook that asks
+    twice for one run trains it once).
 
     Args:
         callback_factory: `factory(run) -> (callback, collect)`: `callback` goes to
@@ -148,7 +150,11 @@ def run_one(
     """
     c = with_seed(config, seed)
     use_cache = not FAST and callback_factory is None
-    path = records_dir() / f"{record_key(c)}.json"
+    key = record_key(c)
+    path = records_dir() / f"{key}.json"
+    if FAST and callback_factory is None and key in _FAST_RUNS:
+        d = _FAST_RUNS[key]
+        return Result(name, seed, c, d["evals"], d["rows"], d["summary"])
     if use_cache and path.exists() and not retrain():
         d = json.loads(path.read_text())
         return Result(name, seed, c, d["evals"], d["rows"], d["summary"])
@@ -161,7 +167,13 @@ def run_one(
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(h.to_dict(), separators=(",", ":")))
         tmp.replace(path)  # never a partial record
+    elif FAST and callback_factory is None:
+        _FAST_RUNS[key] = {"evals": h.evals, "rows": h.rows, "summary": h.summary}
     return Result(name, seed, c, h.evals, h.rows, h.summary, collect())
+
+
+_FAST_RUNS: dict[str, dict[str, Any]] = {}
+"""FAST mode's finished runs in this process, by record key."""
 
 
 def run_all(
