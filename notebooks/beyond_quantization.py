@@ -57,7 +57,7 @@ if plotting.FAST:
 
 # %%
 configs = {
-    name: ex.setup("streaming_overlap", method={**PAPER_CHOICE, **change})
+    name: ex.small_setup("streaming_overlap", method={**PAPER_CHOICE, **change})
     for name, change in VARIANTS.items()
 }
 results = ex.run_all(configs, SEEDS)

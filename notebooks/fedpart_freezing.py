@@ -34,10 +34,10 @@ PER_FRAGMENT = 3 if plotting.FAST else 1
 
 # %%
 configs = {
-    "Streaming DiLoCo": ex.setup(
+    "Streaming DiLoCo": ex.small_setup(
         "streaming", method={"layers_per_fragment": PER_FRAGMENT}
     ),
-    "Streaming DiLoCo + FedPart freezing": ex.setup(
+    "Streaming DiLoCo + FedPart freezing": ex.small_setup(
         "streaming",
         method={"layers_per_fragment": PER_FRAGMENT, "freeze_unsynced": True},
     ),

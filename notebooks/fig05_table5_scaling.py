@@ -69,7 +69,7 @@ PAPER = {  # Table 5, eval loss on C4 at 35M ... 1B (4B rows incomplete)
 configs, seeds = {}, {}
 for method, (preset, kw) in METHODS.items():
     for size in SIZES:
-        configs[f"{method}|{size}"] = ex.setup(preset, model=size, **kw)
+        configs[f"{method}|{size}"] = ex.small_setup(preset, model=size, **kw)
         seeds[f"{method}|{size}"] = SEEDS[method]
 results = ex.run_all(configs, seeds)
 stats = ex.summarize(results)

@@ -42,7 +42,7 @@ SEEDS = (0,)
 configs = {}
 for k in SIZES:
     for pattern in PATTERNS if 1 < k < 6 else ("strided",):
-        configs[f"{k}|{pattern}"] = ex.setup(
+        configs[f"{k}|{pattern}"] = ex.small_setup(
             "streaming_overlap_fp4",
             method={"layers_per_fragment": k, "pattern": pattern},
         )

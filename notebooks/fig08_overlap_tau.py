@@ -39,14 +39,14 @@ ALPHAS = (0.5,) if plotting.FAST else (0.0, 0.5)
 
 # %%
 configs = {
-    f"tau={tau}|alpha={alpha}": ex.setup(
+    f"tau={tau}|alpha={alpha}": ex.small_setup(
         "streaming_overlap", method={"overlap": tau, "alpha": alpha}
     )
     for alpha in ALPHAS
     for tau in TAUS
 }
 results = ex.run_all(configs, SEEDS)
-baseline = ex.run_all({"Data-Parallel": ex.setup("data_parallel")}, SEEDS)
+baseline = ex.run_all({"Data-Parallel": ex.small_setup("data_parallel")}, SEEDS)
 stats = ex.summarize(results)
 dp = ex.summarize(baseline)["Data-Parallel"]
 

@@ -36,7 +36,7 @@ SEEDS = (0,)
 
 # %%
 configs = {
-    f"tau2={t}": ex.setup(
+    f"tau2={t}": ex.small_setup(
         "streaming_overlap", method={"overlap": 1 if t == 1 else (1, t), "alpha": 0.5}
     )
     for t in TAU2

@@ -43,12 +43,12 @@ if plotting.FAST:
 
 # %%
 configs = {
-    name: ex.setup("streaming_overlap", method={"quantizer": fmt})
+    name: ex.small_setup("streaming_overlap", method={"quantizer": fmt})
     for name, fmt in FORMATS.items()
 }
 for name, kind in SPARSIFIERS.items():
     for rate in RATES:
-        configs[f"{name}|{rate}"] = ex.setup(
+        configs[f"{name}|{rate}"] = ex.small_setup(
             "streaming_overlap",
             method={"quantizer": None, "sparsifier": kind, "drop_rate": rate},
         )

@@ -51,7 +51,7 @@ for mode, shape in MODES.items():
     for method, preset in METHODS.items():
         for m in REPLICAS:
             batch, steps = shape(m)
-            configs[f"{mode}|{method}|M={m}"] = ex.setup(
+            configs[f"{mode}|{method}|M={m}"] = ex.small_setup(
                 preset,
                 steps=steps,
                 sync_every=ex.paper_h(100),

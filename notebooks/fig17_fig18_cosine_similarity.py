@@ -40,7 +40,7 @@ NOTEBOOK = "fig17_fig18_cosine_similarity"
 SIZES = ("tiny-xs",) if plotting.FAST else ("tiny-xs", "tiny-s", "tiny-m")
 
 # %%
-configs = {size: ex.setup("streaming_overlap_fp4", model=size) for size in SIZES}
+configs = {size: ex.small_setup("streaming_overlap_fp4", model=size) for size in SIZES}
 results = ex.run_all(configs, (0,), callback_factory=ex.cosine_callback)
 cos = {r.name: r.extra for r in results}
 

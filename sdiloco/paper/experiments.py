@@ -31,35 +31,146 @@ from ..lab.model import preset as preset_model
 from .plotting import FAST, REPO_ROOT
 
 
+@dataclasses.dataclass(frozen=True)
+class Regime:
+    """The budget of a run: tokens per parameter and, for the DiLoCo family, rounds.
+
+    A budget in these units keeps its meaning when the batch or the model changes:
+    `apply` turns it into steps (tokens per parameter × parameters ÷ tokens per step)
+    and H (steps ÷ rounds), so a larger batch trains fewer steps on the same tokens
+    with the same number of syncs.
+
+    Attributes:
+        tokens_per_param: training tokens divided by the model's parameters (20 is
+            the compute-optimal budget of the Chinchilla study).
+        rounds: outer rounds (syncs of each fragment); H = steps // rounds. None
+            keeps the config's H.
+        evals: evaluations per run (the last at the end).
+        eval_batches: evaluation batches per evaluation.
+        warmup_fraction: the inner warmup as a fraction of the steps.
+    """
+
+    tokens_per_param: float = 20.0
+    rounds: int | None = 50
+    evals: int = 4
+    eval_batches: int = 16
+    warmup_fraction: float = 1 / 6
+
+    def scaled(self, factor: float | int) -> "Regime":
+        """`factor` times the tokens and the rounds: the same H on a longer run
+        (the paper's overtraining budgets keep H and sync more often)."""
+        rounds = None if self.rounds is None else round(self.rounds * factor)
+        return dataclasses.replace(
+            self, tokens_per_param=self.tokens_per_param * factor, rounds=rounds
+        )
+
+    def apply(self, config: RunConfig) -> RunConfig:
+        """`config` with its steps, H, warmup and evaluation set from the budget.
+
+        Raises:
+            ValueError: if the rounds leave H < 2.
+        """
+        mc = preset_model(config.model)
+        tokens_per_step = config.data.global_batch_size * mc.seq_len
+        steps = math.ceil(self.tokens_per_param * mc.num_params() / tokens_per_step)
+        changes: dict[str, Any] = {
+            "steps": steps,
+            "eval_every": max(1, steps // self.evals),
+            "eval_batches": self.eval_batches,
+            "log_every": max(1, min(10, steps // 4)),
+            "inner": {"warmup_steps": max(1, round(steps * self.warmup_fraction))},
+        }
+        if self.rounds is not None and hasattr(config.method, "sync_every"):
+            h = steps // self.rounds
+            if h < 2:
+                raise ValueError(
+                    f"Regime.rounds={self.rounds} leaves H={h} for {steps} steps of "
+                    f"{config.model!r}; need H >= 2 (fewer rounds or more tokens)."
+                )
+            changes["method"] = {"sync_every": h}
+        return config.replace(**changes)
+
+
+MODEL: str = "tiny-xs"
+"""The standard learning model (82,528 parameters), tuned by the protocol of
+`sdiloco.paper.tuning` (`config.TUNED`)."""
+REGIME: Regime = Regime(0.15, 3, evals=2, eval_batches=2) if FAST else Regime(20.0, 50)
+"""The standard budget: the compute-optimal 20 tokens per parameter and 50 outer
+rounds, the budget the presets were tuned at (FAST: about 13 steps, 3 rounds)."""
+SEEDS: tuple[int, ...] = (0,) if FAST else (0, 1, 2)
+"""The seeds of every headline comparison (read as seed-paired differences)."""
+
+
+def setup(
+    name: str, *, model: str = MODEL, regime: Regime = REGIME, **changes: Any
+) -> RunConfig:
+    """A preset at its tuned settings, `changes`, then the budget of `regime`.
+
+    `config.preset(name, tuned=True, model=model)` (the tuning protocol's inner and
+    outer learning rates, outer momentum and batch for that method and size, where
+    it swept them), then `changes` (`inner`/`method`/`data` as dicts), then
+    `regime.apply`, which sets the steps, H (unless `regime.rounds` is None: pass
+    `sync_every` in `changes` with such a regime to fix H yourself), the warmup and
+    the evaluations. Evaluation is on the held-out split.
+    """
+    config = preset(name, tuned=True, model=model)
+    return regime.apply(config.replace(**changes) if changes else config)
+
+
+def paired_gap(base: Sequence[float], other: Sequence[float]) -> dict[str, float]:
+    """Seed-paired `other − base`: mean, 95 % t-interval and the relative mean gap.
+
+    Raises:
+        ValueError: with fewer than two pairs (no interval).
+    """
+    d = np.asarray(other, np.float64) - np.asarray(base, np.float64)
+    if d.size < 2:
+        raise ValueError(f"paired_gap needs >= 2 seed pairs; got {d.size}.")
+    t95 = {2: 12.706, 3: 4.303, 4: 3.182, 5: 2.776, 6: 2.571, 7: 2.447, 8: 2.365}
+    half = t95.get(d.size, 1.96) * d.std(ddof=1) / np.sqrt(d.size)
+    return {
+        "mean": float(d.mean()),
+        "low": float(d.mean() - half),
+        "high": float(d.mean() + half),
+        "relative": float(d.mean() / np.mean(base)),
+        "n": int(d.size),
+    }
+
+
+def gap_text(gap: Mapping[str, float]) -> str:
+    """`"+2.4 % [-0.012, +0.031]"`: a `paired_gap` as relative mean and interval."""
+    return f"{100 * gap['relative']:+.1f} % [{gap['low']:+.3f}, {gap['high']:+.3f}]"
+
+
 STEPS: int = 12 if FAST else 320
-"""Inner steps of a standard learning run (320 × 16 sequences × 64 bytes = 328k tokens)."""
-MODEL: str = "tiny-xs" if FAST else "tiny-s"
-"""The standard model (312,512 parameters; tiny-xs in FAST mode)."""
+"""Inner steps of the pre-tuning standard run (`small_setup`): 320 × 16 sequences ×
+64 bytes = 328k tokens, about 1 token per parameter of tiny-s."""
+SMALL_MODEL: str = "tiny-xs" if FAST else "tiny-s"
+"""The pre-tuning standard model (312,512 parameters; tiny-xs in FAST mode)."""
 H_FACTOR: float = 0.04 if FAST else 0.2
-"""Our runs are ~100x shorter than the paper's, so H is scaled: the paper's H = 100
-becomes 20 (16 rounds in 320 steps) and H = 30 becomes 6."""
+"""In the pre-tuning standard runs (~100x shorter than the paper's) H is scaled: the
+paper's H = 100 becomes 20 (16 rounds in 320 steps) and H = 30 becomes 6."""
 
 
 def paper_h(h: int) -> int:
-    """Our H for the paper's H (`round(h * H_FACTOR)`, at least 2)."""
+    """Our H for the paper's H in the pre-tuning standard runs (`round(h * H_FACTOR)`,
+    at least 2)."""
     return max(2, round(h * H_FACTOR))
 
 
-def setup(name: str, **changes: Any) -> RunConfig:
-    """A preset (`config.PRESETS`) at the standard small scale, then `changes`.
+def small_setup(name: str, **changes: Any) -> RunConfig:
+    """The pre-tuning standard: a preset's own values at about 1 token per parameter.
 
-    Sets the model (`MODEL`), `STEPS`, H = `paper_h(100)` for the DiLoCo family, a
-    warmup of a sixth of the steps, 8 evaluations per run (of 8 held-out batches, 2 in
-    FAST mode). `changes` override any of these (`inner`/`method`/`data` as dicts).
-
-    The presets' own hyper-parameters (`preset(..., tuned=False)`: inner lr 3e-3,
-    outer lr 0.4 and momentum 0.9, batch 16), not the tuned ones (`config.TUNED`):
-    the learning notebooks' recorded runs were trained with them, and move to the
-    tuned settings when they are re-run at the tuned budget.
+    The notebooks not yet re-run at the tuned regime (`setup`) use it, so that their
+    recorded runs stay valid. Sets the model (`SMALL_MODEL`), `STEPS`, H =
+    `paper_h(100)` for the DiLoCo family, a warmup of a sixth of the steps, 8
+    evaluations per run (of 8 held-out batches, 2 in FAST mode), and keeps the
+    presets' own hyper-parameters (`preset(..., tuned=False)`: inner lr 3e-3, outer
+    lr 0.4 and momentum 0.9, batch 16). `changes` override any of these.
     """
     steps = changes.get("steps", STEPS)
     base: dict[str, Any] = {
-        "model": MODEL,
+        "model": SMALL_MODEL,
         "steps": steps,
         "eval_every": max(1, steps // 8),
         "eval_batches": 2 if FAST else 8,

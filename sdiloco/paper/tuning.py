@@ -19,15 +19,16 @@ it stopped and its records are committed with the artifacts.
 """
 
 import dataclasses
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from ..lab import model as model_lib
 from ..lab.config import RunConfig, preset as make_preset
 from . import experiments
+
+# Re-exported: the protocol's budget and its statistic live with the experiments.
+from .experiments import Regime as Regime, paired_gap as paired_gap
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,48 +73,6 @@ def step_by(delta: float, low: float) -> Callable[[float, int], float]:
         return max(low, round(value + direction * delta, 10))
 
     return extend
-
-
-@dataclasses.dataclass(frozen=True)
-class Regime:
-    """The budget of a run: tokens per parameter and, for the DiLoCo family, rounds.
-
-    Attributes:
-        tokens_per_param: training tokens divided by the model's parameters.
-        rounds: outer rounds (syncs of each fragment); H = steps // rounds. None
-            keeps the config's H.
-        evals: evaluations per run (the last at the end).
-        eval_batches: evaluation batches per evaluation.
-        warmup_fraction: the inner warmup as a fraction of the steps.
-    """
-
-    tokens_per_param: float = 20.0
-    rounds: int | None = 50
-    evals: int = 4
-    eval_batches: int = 16
-    warmup_fraction: float = 1 / 6
-
-    def apply(self, config: RunConfig) -> RunConfig:
-        """`config` with its steps, H, warmup and evaluation set from the budget."""
-        mc = model_lib.preset(config.model)
-        tokens_per_step = config.data.global_batch_size * mc.seq_len
-        steps = math.ceil(self.tokens_per_param * mc.num_params() / tokens_per_step)
-        changes: dict[str, Any] = {
-            "steps": steps,
-            "eval_every": max(1, steps // self.evals),
-            "eval_batches": self.eval_batches,
-            "log_every": max(1, min(10, steps // 4)),
-            "inner": {"warmup_steps": max(1, round(steps * self.warmup_fraction))},
-        }
-        if self.rounds is not None and hasattr(config.method, "sync_every"):
-            h = steps // self.rounds
-            if h < 2:
-                raise ValueError(
-                    f"Regime.rounds={self.rounds} leaves H={h} for {steps} steps of "
-                    f"{config.model!r}; need H >= 2 (fewer rounds or more tokens)."
-                )
-            changes["method"] = {"sync_every": h}
-        return config.replace(**changes)
 
 
 @dataclasses.dataclass
@@ -370,26 +329,6 @@ def rounds_sweep(
             }
         )
     return rows
-
-
-def paired_gap(base: Sequence[float], other: Sequence[float]) -> dict[str, float]:
-    """Seed-paired `other − base`: mean, 95 % t-interval and the relative mean gap.
-
-    Raises:
-        ValueError: with fewer than two pairs (no interval).
-    """
-    d = np.asarray(other, np.float64) - np.asarray(base, np.float64)
-    if d.size < 2:
-        raise ValueError(f"paired_gap needs >= 2 seed pairs; got {d.size}.")
-    t95 = {2: 12.706, 3: 4.303, 4: 3.182, 5: 2.776, 6: 2.571, 7: 2.447, 8: 2.365}
-    half = t95.get(d.size, 1.96) * d.std(ddof=1) / np.sqrt(d.size)
-    return {
-        "mean": float(d.mean()),
-        "low": float(d.mean() - half),
-        "high": float(d.mean() + half),
-        "relative": float(d.mean() / np.mean(base)),
-        "n": int(d.size),
-    }
 
 
 def get_field(config: Any, path: str) -> Any:

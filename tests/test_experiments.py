@@ -1,0 +1,88 @@
+"""The learning notebooks' standard run: tuned preset, then changes, then the budget."""
+
+import json
+import math
+import pathlib
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from sdiloco.lab import model as model_lib
+from sdiloco.paper import experiments as ex
+
+TUNED_JSON = pathlib.Path(ex.__file__).parents[1] / "lab" / "tuned.json"
+
+
+def _tuned_table():
+    """The tuned table as the file holds it (read here, not through `config`)."""
+    table = json.loads(TUNED_JSON.read_text())
+    return {k: v for k, v in table.items() if not k.startswith("_")}
+
+
+def _get(config, path):
+    for part in path.split("."):
+        config = getattr(config, part)
+    return config
+
+
+@pytest.mark.parametrize("name", ["data_parallel", "diloco", "streaming_overlap_fp4"])
+@pytest.mark.parametrize("model", ["tiny-xxs", "tiny-xs"])
+def test_setup_runs_the_tuned_values_at_the_standard_budget(name, model):
+    regime = ex.Regime(20.0, 50)
+    config = ex.setup(name, model=model, regime=regime)
+    for path, value in _tuned_table()[name][model].items():
+        assert _get(config, path) == value, path
+    mc = model_lib.preset(model)
+    batch = _tuned_table()[name][model]["data.global_batch_size"]
+    assert config.steps == math.ceil(20.0 * mc.num_params() / (batch * mc.seq_len))
+    if name != "data_parallel":
+        assert config.method.sync_every == config.steps // 50
+    assert not config.data.validation  # the tables report the held-out split
+
+
+def test_setup_applies_the_budget_after_the_changes():
+    """A change of batch keeps the tokens and the rounds (fewer steps, smaller H)."""
+    regime = ex.Regime(20.0, 50)
+    base = ex.setup("streaming_overlap_fp4", regime=regime)
+    double = ex.setup(
+        "streaming_overlap_fp4",
+        regime=regime,
+        data={"global_batch_size": 2 * base.data.global_batch_size},
+        method={"num_replicas": 4, "sync_every": 1000},  # H: the regime's
+    )
+    assert double.method.num_replicas == 4
+    assert abs(2 * double.steps - base.steps) <= 1
+    assert double.method.sync_every == double.steps // 50
+    fixed = ex.setup(
+        "streaming_overlap_fp4",
+        regime=ex.Regime(20.0, None),
+        method={"sync_every": 7},
+    )
+    assert fixed.method.sync_every == 7  # rounds=None: H is the caller's
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    model=st.sampled_from(["tiny-xxs", "tiny-xs", "tiny-s"]),
+    name=st.sampled_from(["diloco", "streaming_overlap_fp4"]),
+    factor=st.sampled_from([1, 2, 4, 10]),
+)
+def test_scaled_regime_keeps_h_and_multiplies_tokens_and_rounds(model, name, factor):
+    regime = ex.Regime(20.0, 50)
+    base = ex.setup(name, model=model, regime=regime)
+    longer = ex.setup(name, model=model, regime=regime.scaled(factor))
+    assert regime.scaled(factor).tokens_per_param == 20.0 * factor
+    assert longer.steps // longer.method.sync_every >= 50 * factor
+    assert abs(longer.method.sync_every - base.method.sync_every) <= 1
+    assert abs(longer.steps - factor * base.steps) <= factor
+
+
+def test_small_setup_keeps_the_pretuning_standard():
+    """The notebooks not yet re-run still train (and find the records of) the
+    presets' own values at 320 steps of tiny-s."""
+    config = ex.small_setup("streaming_overlap_fp4")
+    assert config.model == ex.SMALL_MODEL
+    assert config.steps == ex.STEPS
+    assert config.inner.lr == 3e-3 and config.method.outer.lr == 0.4
+    assert config.method.sync_every == ex.paper_h(100)
+    assert config.data.global_batch_size == 16
