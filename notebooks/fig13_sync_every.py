@@ -37,7 +37,7 @@ from sdiloco.paper import experiments as ex, plotting
 
 plotting.style()
 NOTEBOOK = "fig13_sync_every"
-ROUNDS = (3,) if plotting.FAST else (12, 50, 200, 800)
+ROUNDS = (2,) if plotting.FAST else (12, 50, 200, 800)
 SEEDS = ex.SEEDS
 diloco = ex.setup("diloco")
 TUNED = {  # DiLoCo's tuned settings, given to every method of the sweep

@@ -94,9 +94,9 @@ class Regime:
 MODEL: str = "tiny-xs"
 """The standard learning model (82,528 parameters), tuned by the protocol of
 `sdiloco.paper.tuning` (`config.TUNED`)."""
-REGIME: Regime = Regime(0.15, 3, evals=2, eval_batches=2) if FAST else Regime(20.0, 50)
+REGIME: Regime = Regime(0.15, 2, evals=2, eval_batches=2) if FAST else Regime(20.0, 50)
 """The standard budget: the compute-optimal 20 tokens per parameter and 50 outer
-rounds, the budget the presets were tuned at (FAST: about 13 steps, 3 rounds)."""
+rounds, the budget the presets were tuned at (FAST: about 13 steps of tiny-xs, 2 rounds)."""
 SEEDS: tuple[int, ...] = (0,) if FAST else (0, 1, 2)
 """The seeds of every headline comparison (read as seed-paired differences)."""
 
