@@ -80,6 +80,39 @@ def test_search_finds_the_minimum_and_extends_past_edges():
     assert all(t.config.data.validation for t in search.trials)
 
 
+def test_search_skips_values_the_budget_cannot_train():
+    """On tiny-xxxs at 20 tokens/param and 50 rounds a batch of 32 leaves H = 1: such
+    values are skipped (listed, never trained, never chosen), the search goes on."""
+    trained = []
+
+    def loss(name, config, seed):
+        del name, seed
+        trained.append(config.data.global_batch_size)
+        return abs(math.log2(config.data.global_batch_size / 64))  # wants big batches
+
+    axes = (tuning.Axis("data.global_batch_size", (8, 16, 32, 64), tuning.doubling),)
+    base = config_lib.preset(
+        "streaming_overlap_fp4", model="tiny-xxxs", data={"validation": True}
+    )
+    search = tuning.coordinate_search(
+        base, axes, regime=tuning.Regime(20.0, 50), train=loss
+    )
+    assert search.best.data.global_batch_size == 16  # the largest trainable
+    assert sorted(set(trained)) == [8, 16]
+    assert [(f, v) for f, v, _ in search.infeasible] == [
+        ("data.global_batch_size", 32),
+        ("data.global_batch_size", 64),
+    ]
+    assert all("H=1" in r or "H=0" in r for _, _, r in search.infeasible)
+    with pytest.raises(ValueError, match="no value of 'data.global_batch_size'"):
+        tuning.coordinate_search(
+            base,
+            (tuning.Axis("data.global_batch_size", (32, 64)),),
+            regime=tuning.Regime(20.0, 50),
+            train=loss,
+        )
+
+
 def test_search_refuses_the_heldout_split():
     with pytest.raises(ValueError, match="validation"):
         tuning.coordinate_search(

@@ -168,6 +168,7 @@ def _tiny(width: int, layers: int, heads: int, seq_len: int) -> ModelConfig:
 
 
 TINY_SCALES: dict[str, ModelConfig] = {
+    "tiny-xxxs": _tiny(8, 6, 1, 64),  # 6,856 params
     "tiny-xxs": _tiny(16, 6, 1, 64),  # 22,928 params
     "tiny-xs": _tiny(32, 6, 2, 64),  # 82,528
     "tiny-s": _tiny(64, 6, 2, 64),  # 312,512
@@ -178,7 +179,8 @@ TINY_SCALES: dict[str, ModelConfig] = {
 """Byte-level (vocab 256) models small enough to train on two CPU cores. Like the
 paper's 35M model they have 6 layers (two fragments of 3 blocks plus the non-block
 fragment); the ladder shares a sequence length of 64 (so a step is the same tokens at
-every size) and spans 53x in parameters; tiny-deep has 12 layers for fragment
+every size) and spans 177x in parameters (tiny-xxxs, the bottom rung of the tuned
+ladder, is cheap enough to tune in minutes); tiny-deep has 12 layers for fragment
 ablations."""
 
 

@@ -19,6 +19,7 @@ it stopped and its records are committed with the artifacts.
 """
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -91,10 +92,18 @@ class Trial:
 
 @dataclasses.dataclass
 class Search:
-    """What `coordinate_search` found: the best config and every trial, in order."""
+    """What `coordinate_search` found: the best config and every trial, in order.
+
+    Attributes:
+        best: the config at the chosen value of every axis.
+        trials: every trained trial, in order.
+        infeasible: `(field, value, reason)` of each value the budget cannot train
+            (e.g. a batch so large that the rounds leave H < 2); never chosen.
+    """
 
     best: RunConfig
     trials: list[Trial]
+    infeasible: list[tuple[str, Any, str]] = dataclasses.field(default_factory=list)
 
     def best_values(self, axes: Sequence[Axis]) -> dict[str, Any]:
         """The chosen value of each axis."""
@@ -112,6 +121,9 @@ def coordinate_search(
 ) -> Search:
     """Sweep each axis in turn at the best values so far; extend past an edge.
 
+    A value the budget cannot train (`Regime.apply` refuses it, e.g. a batch that
+    leaves H < 2) is skipped and listed in `Search.infeasible`.
+
     Args:
         base: the starting config (a preset at some model size).
         axes: the hyper-parameters, swept in this order.
@@ -126,7 +138,8 @@ def coordinate_search(
         The `Search`.
 
     Raises:
-        ValueError: if the base config does not evaluate on the validation split.
+        ValueError: if the base config does not evaluate on the validation split,
+            or no value of an axis can be trained at the budget.
     """
     if not base.data.validation:
         raise ValueError(
@@ -138,11 +151,16 @@ def coordinate_search(
         def train(name: str, config: RunConfig, seed: int) -> float:
             return experiments.run_one(name, config, seed).final(metric)
 
-    current, trials = base, []
+    current, trials, infeasible = base, [], []
     seen: dict[str, Trial] = {}
 
     def trial(axis: Axis, value: Any) -> Trial:
-        config = regime.apply(set_field(current, axis.field, value))
+        changed = set_field(current, axis.field, value)
+        try:
+            config = regime.apply(changed)
+        except ValueError as e:  # the budget cannot train it (e.g. H < 2): skip
+            infeasible.append((axis.field, value, str(e)))
+            return Trial(axis.field, value, changed, [math.inf])
         key = config.to_json()
         if key not in seen:
             name = f"{axis.field}={value}"
@@ -157,6 +175,11 @@ def coordinate_search(
         done = {v: trial(axis, v) for v in values}
         while True:
             best = min(values, key=lambda v: done[v].mean)
+            if math.isinf(done[best].mean):
+                raise ValueError(
+                    f"no value of {axis.field!r} in {values} can be trained at "
+                    f"{regime!r}: {infeasible[-1][2]}"
+                )
             edge = -1 if best == values[0] else (1 if best == values[-1] else 0)
             if not edge or axis.extend is None or extensions >= axis.max_extensions:
                 break
@@ -167,7 +190,7 @@ def coordinate_search(
             done[new] = trial(axis, new)
             extensions += 1
         current = regime.apply(set_field(current, axis.field, best))
-    return Search(current, trials)
+    return Search(current, trials, infeasible)
 
 
 PRESETS: dict[str, str] = {
