@@ -10,6 +10,7 @@ from hypothesis import given, settings, strategies as st
 from sdiloco.lab import model as model_lib
 from sdiloco.paper import experiments as ex
 
+
 TUNED_JSON = pathlib.Path(ex.__file__).parents[1] / "lab" / "tuned.json"
 
 
