@@ -7,8 +7,14 @@ the requested seeds (`with_seed` sets the model seed and the data order) and ret
 a run (e.g. Table 5 and Table 6) train it once and a re-run only trains what changed.
 FAST mode (`plotting.FAST`) never reads or writes the cache.
 
+`setup` builds the standard run: a preset at its tuned settings, at a `Regime` budget
+(tokens per parameter and outer rounds; 20 and 50 by default), evaluated on the
+held-out split; `small_setup` is the pre-tuning standard (320 steps of tiny-s, the
+presets' own values) that the notebooks not yet re-run still use.
+
 `summarize` reduces results to mean ± standard deviation over seeds (plus min and max),
-which is what every learning table reports.
+which is what every learning table reports; `paired_gap` gives the seed-paired
+difference of two methods with its 95 % t-interval.
 """
 
 import dataclasses
