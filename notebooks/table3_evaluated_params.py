@@ -58,12 +58,7 @@ for label, key in WHICH.items():
 best = min(rows, key=lambda r: r["_mean"])["Parameters evaluated"]
 outer = [r.final("eval/global") for r in results]
 paired = "; ".join(
-    f"{label} "
-    + (
-        ex.gap_text(ex.paired_gap(outer, [r.final(f"eval/{key}") for r in results]))
-        if len(SEEDS) > 1
-        else f"{results[0].final(f'eval/{key}') - outer[0]:+.4f}"
-    )
+    f"{label} " + ex.gap_text(outer, [r.final(f"eval/{key}") for r in results])
     for label, key in WHICH.items()
     if key != "global"
 )

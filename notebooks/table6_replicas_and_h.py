@@ -66,9 +66,7 @@ def gap(base: str, other: str) -> str:
         return "-"
     b = [r.final() for r in results if r.name == base]
     o = [r.final() for r in results if r.name == other]
-    if len(SEEDS) < 2:
-        return f"{100 * (o[0] - b[0]) / b[0]:+.2f} %"
-    return ex.gap_text(ex.paired_gap(b, o))
+    return ex.gap_text(b, o)
 
 
 # %%

@@ -87,3 +87,14 @@ def test_small_setup_keeps_the_pretuning_standard():
     assert config.inner.lr == 3e-3 and config.method.outer.lr == 0.4
     assert config.method.sync_every == ex.paper_h(100)
     assert config.data.global_batch_size == 16
+
+
+def test_gap_text_is_the_relative_mean_and_the_t_interval_of_the_differences():
+    # differences 0.1, 0.3, 0.2: mean 0.2, sd 0.1, half-width t(2, 0.975) = 4.303
+    # x 0.1 / sqrt(3) = 0.2484; relative 0.2 / mean(1, 2, 3) = 10 %
+    assert ex.gap_text([1.0, 2.0, 3.0], [1.1, 2.3, 3.2]) == "+10.0 % [-0.048, +0.448]"
+    assert ex.gap_text([2.0], [2.05]) == "+2.5 % (one seed)"
+    with pytest.raises(ValueError, match="equal, non-empty"):
+        ex.gap_text([1.0, 2.0], [1.0])
+    with pytest.raises(ValueError, match="equal, non-empty"):
+        ex.gap_text([], [])

@@ -14,7 +14,8 @@ presets' own values) that the notebooks not yet re-run still use.
 
 `summarize` reduces results to mean ± standard deviation over seeds (plus min and max),
 which is what every learning table reports; `paired_gap` gives the seed-paired
-difference of two methods with its 95 % t-interval.
+difference of two methods with its 95 % t-interval and `gap_text` writes it as a
+table cell (or the one-seed relative difference in FAST mode).
 """
 
 import dataclasses
@@ -143,8 +144,24 @@ def paired_gap(base: Sequence[float], other: Sequence[float]) -> dict[str, float
     }
 
 
-def gap_text(gap: Mapping[str, float]) -> str:
-    """`"+2.4 % [-0.012, +0.031]"`: a `paired_gap` as relative mean and interval."""
+def gap_text(base: Sequence[float], other: Sequence[float]) -> str:
+    """Seed-paired `other − base` as one table cell.
+
+    With two or more seed pairs, the relative mean gap and the 95 % t-interval of the
+    differences in the loss's own units (`paired_gap`): `"+2.4 % [-0.012, +0.031]"`.
+    With one pair (FAST mode) there is no interval: `"+2.4 % (one seed)"`.
+
+    Raises:
+        ValueError: if the sequences are empty or differ in length.
+    """
+    if len(base) != len(other) or not len(base):
+        raise ValueError(
+            f"gap_text needs equal, non-empty seed lists; got {len(base)} base and "
+            f"{len(other)} other losses."
+        )
+    if len(base) == 1:
+        return f"{100 * (other[0] - base[0]) / base[0]:+.1f} % (one seed)"
+    gap = paired_gap(base, other)
     return f"{100 * gap['relative']:+.1f} % [{gap['low']:+.3f}, {gap['high']:+.3f}]"
 
 
