@@ -11,8 +11,10 @@ step, each one `eqx.filter_jit` region with the state donated:
 - **plain**: one model and `config.inner.build(steps)` (the identical optax chain) on
   the `[B, L]` batch, with no replica axis at all.
 
-A fourth, **streaming+fast_rounding**, is the streaming step traced with the proposed
-change to `sdiloco.compression.formats.round_nearest` (`round_nearest_compare_all`).
+A fourth, **streaming+search_rounding**, is the streaming step traced with the
+library's previous `sdiloco.compression.formats.round_nearest` for E3M0
+(`round_nearest_search`: a search over the midpoints; the library now rounds E3M0 on
+the bit pattern), the before of that change.
 
 They run interleaved, `--per-round` steps each per round (in alternating order), every
 step timed on its own (blocking), so all see the same load. A streaming step is
@@ -85,12 +87,13 @@ def plain_optax(loss_fn: Callable[..., Any], inner: Any) -> tuple[Callable, Call
     return init, step
 
 
-def round_nearest_compare_all(a: jax.Array, mags: np.ndarray) -> jax.Array:
-    """The proposed `sdiloco.compression.formats.round_nearest`: bitwise the same codes.
+def round_nearest_search(a: jax.Array, mags: np.ndarray) -> jax.Array:
+    """`sdiloco.compression.formats.round_nearest` by search, for every table.
 
-    The only change is `method=` of `jnp.searchsorted`: the default ("scan") is a
-    loop of gathers; comparing against every midpoint is ~3-4x faster on XLA:CPU for
-    the 4-bit formats (7 midpoints) and ~10x slower for FP8 (~126), hence the switch.
+    The library's rounding before E3M0 got its bit-pattern path (bitwise the same
+    codes): `jnp.searchsorted` over the midpoints, comparing against every midpoint
+    for the 4-bit formats (7 midpoints; ~3-4x faster than the default loop of gathers
+    on XLA:CPU) and the loop for FP8's ~126.
     """
     mids = jnp.asarray((mags[1:] + mags[:-1]) / 2, a.dtype)
     method = "compare_all" if len(mids) <= 16 else "scan"
@@ -100,8 +103,8 @@ def round_nearest_compare_all(a: jax.Array, mags: np.ndarray) -> jax.Array:
     return jnp.where(tie & (below % 2 == 1), below + 1, below)
 
 
-def with_fast_rounding(step: Callable) -> Callable:
-    """`step` traced with `round_nearest_compare_all` in place of the library's.
+def with_search_rounding(step: Callable) -> Callable:
+    """`step` traced with `round_nearest_search` in place of the library's.
 
     The swap lasts only while `step` is traced (once, inside jit), so no other
     program sees it.
@@ -109,7 +112,7 @@ def with_fast_rounding(step: Callable) -> Callable:
 
     def patched(state, batch):
         original = formats.round_nearest
-        formats.round_nearest = round_nearest_compare_all
+        formats.round_nearest = round_nearest_search
         try:
             return step(state, batch)
         finally:
@@ -135,8 +138,8 @@ def make_variants(
         sync_every: H of the streaming variant.
         replicas: M.
         num_batches: distinct batches to cycle through.
-        patched: also time "streaming+fast_rounding", the streaming step with the
-            proposed `_round_nearest` (see `with_fast_rounding`).
+        patched: also time "streaming+search_rounding", the streaming step with the
+            previous rounding by search (see `with_search_rounding`).
 
     Returns:
         The variants, and facts about the setup (P, L, parameter count, steps).
@@ -177,8 +180,8 @@ def make_variants(
             ),
         }
         if patched:
-            variants["streaming+fast_rounding"] = Variant(
-                _common.jit_step(with_fast_rounding(rs.algorithm.step)),
+            variants["streaming+search_rounding"] = Variant(
+                _common.jit_step(with_search_rounding(rs.algorithm.step)),
                 _common.fresh(rs.init_state()),
                 batches,
             )
@@ -372,7 +375,7 @@ def main() -> None:
         "--no-patch",
         dest="patched",
         action="store_false",
-        help="skip the streaming+fast_rounding variant",
+        help="skip the streaming+search_rounding variant",
     )
     parser.add_argument("--save", help="write the timed steps to this JSON file")
     parser.add_argument("--load", help="report the steps saved by --save (no timing)")

@@ -11,9 +11,9 @@ inner-only step, a step that sends fragment p, or one where fragment p arrives. 
 states are interleaved in rounds; the cost of a kind is the median over rounds of
 (its step − the inner-only step of the same round).
 
-Two programs: the library's step, and the same step traced with the proposed
-`_round_nearest` (`step_throughput.round_nearest_compare_all`), the before/after of
-the proposed fix. A third, `sdiloco.inner.inner_steps` alone, shows what the sync
+Two programs: the library's step, and the same step traced with the previous
+rounding by search (`step_throughput.round_nearest_search`; the library now rounds
+E3M0 on the bit pattern), the before/after of that change. A third, `sdiloco.inner.inner_steps` alone, shows what the sync
 machinery costs on a step where nothing is due (the `lax.cond`s should skip it all).
 """
 
@@ -80,7 +80,7 @@ def main() -> None:
     batch = _common.random_batches(1, 2, args.batch, run.model_config.seq_len)[0]
     programs = {
         "library": run.algorithm.step,
-        "proposed _round_nearest": step_throughput.with_fast_rounding(
+        "search rounding (before)": step_throughput.with_search_rounding(
             run.algorithm.step
         ),
     }
@@ -110,7 +110,7 @@ def main() -> None:
             "send"
         ) and applied.any() == kind.startswith("arrive"), kind
         assert p is None or sent[p] or applied[p], kind
-        call("proposed _round_nearest", s)
+        call("search rounding (before)", s)
     call("inner_steps alone", states["inner"])
     times: dict[tuple[str, str], list[float]] = co.defaultdict(list)
     for r in range(args.rounds):

@@ -113,7 +113,7 @@ def test_state_bytes_match_the_analytic_count():
 
 
 @pytest.mark.parametrize("format", ["e3m0", "e2m1", "int4", "e4m3"])
-def test_proposed_rounding_gives_the_library_codes(format):
+def test_rounding_by_search_gives_the_library_codes(format):
     scales = jnp.logspace(-6, 2, 300, dtype=jnp.float32)[None]
     x = jr.normal(jr.key(0), (4, 300)) * scales
     q = sdiloco.quantizer(format, granularity="row")
@@ -125,7 +125,7 @@ def test_proposed_rounding_gives_the_library_codes(format):
     x = x.at[1, : ties.size].set(ties).at[1, ties.size :].set(0.0)
     x = x.at[0, :4].set(jnp.asarray([0.0, jnp.nan, jnp.inf, -jnp.inf]))
     expected = jax.jit(q.quantize)(x)
-    patched = jax.jit(step_throughput.with_fast_rounding(lambda x, _: q.quantize(x)))(
+    patched = jax.jit(step_throughput.with_search_rounding(lambda x, _: q.quantize(x)))(
         x, None
     )
     assert np.array_equal(expected.codes, patched.codes)

@@ -21,6 +21,7 @@ from sdiloco.compression import (
     Quantizer,
     dare,
     fed_dropout,
+    formats,
     quantizer,
     top_k,
 )
@@ -343,6 +344,44 @@ def test_ties_match_ml_dtypes(fmt):
     qz, _ = _encode(q, jnp.asarray(x))
     ref = x.astype(ML_DTYPES[fmt]).astype(np.float64)
     np.testing.assert_array_equal(q.values()[np.asarray(qz.codes)], ref)
+
+
+def _nearest_index_f64(a: np.ndarray, mags: np.ndarray) -> np.ndarray:
+    """Index of the nearest of `mags` in float64, exact ties to the even index."""
+    dist = np.abs(a.astype(np.float64)[:, None] - mags[None, :])
+    best = dist.min(axis=1, keepdims=True)
+    nearest = dist == best
+    first = nearest.argmax(axis=1)
+    tie = nearest.sum(axis=1) > 1
+    return np.where(tie & (first % 2 == 1), first + 1, first)
+
+
+_E3M0 = formats.magnitudes("e3m0")
+_E3M0_EDGES = np.concatenate(
+    [_E3M0, (_E3M0[1:] + _E3M0[:-1]) / 2, [1e-45, 0.0625, 0.1875]]
+)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@given(
+    data=st.data(),
+    a=hnp.arrays(
+        np.float64,
+        st.integers(1, 64),
+        elements=st.floats(0.0, float(_E3M0[-1]), width=32),
+    ),
+)
+def test_e3m0_rounding_on_the_bit_pattern_is_nearest_ties_to_even(dtype, data, a):
+    """E3M0 (zero and powers of two) is rounded on the float's bit pattern; it must be
+    the float64 nearest index, ties to even, at the midpoints and their neighbours
+    too, for float32 and float64 inputs (subnormals included)."""
+    edge = data.draw(st.sampled_from(list(_E3M0_EDGES)))
+    step = data.draw(st.sampled_from([0.0, -np.inf, np.inf]))
+    a = np.append(a, np.nextafter(np.asarray(edge, dtype), step)).astype(dtype)
+    a = np.minimum(a, _E3M0[-1]).astype(dtype)
+    with jax.enable_x64(dtype == np.float64):
+        got = np.asarray(formats.round_nearest(jnp.asarray(a), _E3M0))
+    np.testing.assert_array_equal(got, _nearest_index_f64(a, _E3M0))
 
 
 @pytest.mark.parametrize("fmt", sorted(EXPECTED_MAGNITUDES))

