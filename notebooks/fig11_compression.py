@@ -28,9 +28,12 @@
 # the library's bit accounting: scales, indices and seeds included), so value-dropping
 # and float formats share one axis. FedDropout and DARE drop a random subset (DARE
 # rescales the kept values), Top-K keeps the largest magnitudes; each at drop rates 0.5
-# and 0.875.
+# and 0.875. A compressor with a seed that ends worse than guessing every byte
+# uniformly (ln 256 = 5.55 nats/byte) is marked "diverged" and drawn off the axis.
 
 # %%
+import math
+
 import matplotlib.pyplot as plt
 
 from sdiloco.paper import experiments as ex, plotting
@@ -65,6 +68,14 @@ bits = {name: ex.bits_per_param_per_sync(c) for name, c in configs.items()}
 REF = next(iter(configs))  # FP32 (FP4 in FAST mode)
 
 
+UNIFORM = math.log(256)  # nats/byte of guessing every byte uniformly
+
+
+def diverged(name: str) -> bool:
+    """Whether a seed of `name` ended worse than uniform guessing."""
+    return stats[name]["max"] > UNIFORM
+
+
 def finals(name: str) -> list[float]:
     """Final held-out loss of `name`, in seed order."""
     return [r.final() for s in SEEDS for r in results if r.name == name and r.seed == s]
@@ -82,7 +93,11 @@ for name in configs:
             "bits per parameter per sync": round(bits[name], 3),
             "held-out loss (nats/byte)": ex.mean_pm(stats[name]),
             f"vs {REF}, paired by seed": (
-                "-" if name == REF else ex.gap_text(finals(REF), finals(name))
+                "-"
+                if name == REF
+                else "diverged"
+                if diverged(name)
+                else ex.gap_text(finals(REF), finals(name))
             ),
             "_mean": stats[name]["mean"],
             "_std": stats[name]["std"],
@@ -135,6 +150,19 @@ for (family, _), color in zip(
         (r for r in rows if r["compressor"] == family),
         key=lambda r: r["bits per parameter per sync"],
     )
+    for r in [r for r in mine if r["_mean"] > UNIFORM]:  # off the axis: marked
+        ax.annotate(
+            f"{family} {r['drop rate']}: diverged ({r['_mean']:.1f})",
+            (r["bits per parameter per sync"], 1.0),
+            xycoords=("data", "axes fraction"),
+            xytext=(0, -14),
+            textcoords="offset points",
+            ha="left",
+            fontsize=8,
+            color=color,
+            arrowprops={"arrowstyle": "->", "color": color},
+        )
+    mine = [r for r in mine if r["_mean"] <= UNIFORM]
     ax.errorbar(
         [r["bits per parameter per sync"] for r in mine],
         [r["_mean"] for r in mine],
@@ -144,6 +172,10 @@ for (family, _), color in zip(
         color=color,
         label=f"{family} (drop {', '.join(str(r['drop rate']) for r in mine)})",
     )
+shown = [r for r in rows if r["_mean"] <= UNIFORM]
+low = min(r["_mean"] - r["_std"] for r in shown)
+high = max(r["_mean"] + r["_std"] for r in shown)
+ax.set_ylim(low - 0.05 * (high - low), high + 0.25 * (high - low))
 ax.set_xscale("log", base=2)
 ax.set_xlabel("bits per parameter per sync (log scale)")
 ax.set_ylabel("held-out loss (nats/byte)")
