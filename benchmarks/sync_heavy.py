@@ -8,9 +8,11 @@ stacked MLP (`fragment_cost.stacked_mlp`), M = 2, a small batch, H = 20 and 2
 fragments, so a send or an arrival happens every 10 steps. Streaming DiLoCo runs
 through the documented entry point, `sdiloco.jit_step(alg)` (the state donated); the
 baseline is the same AdamW on M independent replicas, vmapped and jitted with the state
-donated: the same inner work without any sync. Runs alternate (baseline, streaming,
-baseline, ...) and each times `steps` steps after a warm-up; the ratio is the
-baseline's wall time over streaming's (1.0: syncs are free), per pair of runs.
+donated: the same inner work without any sync. A third program is the library's step
+with the previous E3M0 rounding (a search over the midpoints,
+`step_throughput.with_search_rounding`): the before of the bit-pattern rounding. Runs
+rotate (each program first in turn) and each times `steps` steps after a warm-up; a
+ratio is the baseline's wall time over the program's (1.0: syncs are free), per round.
 
 It also times the floor of a sync on this workload: the same arithmetic on contiguous
 arrays of one fragment's size, with no gathers, loops or branches (a send: Δ of M
@@ -33,6 +35,7 @@ import optax
 import sdiloco
 from benchmarks import _common
 from benchmarks.fragment_cost import loss_fn, stacked_mlp
+from benchmarks.step_throughput import with_search_rounding
 
 
 def main() -> None:
@@ -80,8 +83,11 @@ def main() -> None:
     def run(kind: str) -> float:
         if kind == "plain":
             state, step = fresh_plain(), lambda s, b: plain(s, b)
-        else:
+        elif kind == "streaming":
             state, step = alg.init(params), sdiloco.jit_step(alg)
+        else:  # the library's step with the previous E3M0 rounding (by search)
+            state = alg.init(params)
+            step = sdiloco.jit_step(with_search_rounding(alg.step))
         for b in batches[:h]:  # warm-up: compile, and past the first sends
             state, _ = step(state, b)
         jax.block_until_ready(state)
@@ -91,20 +97,27 @@ def main() -> None:
         jax.block_until_ready(state)
         return time.perf_counter() - start
 
-    ratios = []
+    kinds = ("plain", "streaming", "search")
+    ratios: dict[str, list[float]] = {"streaming": [], "search": []}
     for r in range(args.runs):
-        order = ("plain", "streaming") if r % 2 == 0 else ("streaming", "plain")
+        order = kinds[r % 3 :] + kinds[: r % 3]  # each kind first in turn
         t = {k: run(k) for k in order}
-        ratios.append(t["plain"] / t["streaming"])
+        for k in ratios:
+            ratios[k].append(t["plain"] / t[k])
         print(
             f"run {r}: plain {t['plain'] * 1e3 / args.steps:.2f} ms/step, streaming "
-            f"{t['streaming'] * 1e3 / args.steps:.2f} ms/step, ratio {ratios[-1]:.3f}",
+            f"{t['streaming'] * 1e3 / args.steps:.2f} ms/step (ratio "
+            f"{ratios['streaming'][-1]:.3f}), with search rounding "
+            f"{t['search'] * 1e3 / args.steps:.2f} ms/step (ratio "
+            f"{ratios['search'][-1]:.3f})",
             flush=True,
         )
-    print(
-        f"\nplain ÷ streaming over {args.runs} interleaved runs of {args.steps} steps: "
-        f"median {np.median(ratios):.3f}, range {min(ratios):.3f}-{max(ratios):.3f}"
-    )
+    for k, label in (("streaming", "streaming"), ("search", "search rounding")):
+        v = ratios[k]
+        print(
+            f"\nplain ÷ {label} over {args.runs} interleaved runs of {args.steps} "
+            f"steps: median {np.median(v):.3f}, range {min(v):.3f}-{max(v):.3f}"
+        )
     send, arrive = sync_floor(m, int(frags.sizes()[1]))
     step = np.median([run("plain") for _ in range(3)]) / args.steps
     bound = h * step / (h * step + 2 * (send + arrive))
