@@ -81,9 +81,10 @@ stats = ex.summarize(results)
 
 def gap(method: str, size: str) -> str:
     """Seed-paired gap of `method` to Data-Parallel at `size`."""
-    dp = [r.final() for r in results if r.name == f"Data-Parallel|{size}"]
-    ours = [r.final() for r in results if r.name == f"{method}|{size}"]
-    return ex.gap_text(dp, ours)
+    return ex.gap_text(
+        ex.finals(results, f"Data-Parallel|{size}"),
+        ex.finals(results, f"{method}|{size}"),
+    )
 
 
 def flops(size: str) -> float:

@@ -59,16 +59,6 @@ H = first.method.sync_every
 ROUNDS = first.steps // H
 
 
-def finals(name: str) -> list[float]:
-    """Final held-out loss of `name`, in seed order."""
-    return [
-        r.final()
-        for s in SEEDS
-        for r in results + baseline
-        if r.name == name and r.seed == s
-    ]
-
-
 # %%
 rows = []
 for tau in TAUS:
@@ -79,10 +69,13 @@ for tau in TAUS:
         row[f"vs tau={TAUS[0]}, alpha={alpha}"] = (
             "-"
             if tau == TAUS[0]
-            else ex.gap_text(finals(f"tau={TAUS[0]}|alpha={alpha}"), finals(name))
+            else ex.gap_text(
+                ex.finals(results, f"tau={TAUS[0]}|alpha={alpha}"),
+                ex.finals(results, name),
+            )
         )
         row[f"vs Data-Parallel, alpha={alpha}"] = ex.gap_text(
-            finals("Data-Parallel"), finals(name)
+            ex.finals(baseline, "Data-Parallel"), ex.finals(results, name)
         )
     rows.append(row)
 rows.append({"tau": "Data-Parallel", f"loss, alpha={ALPHAS[0]}": ex.mean_pm(dp)})

@@ -76,11 +76,6 @@ def diverged(name: str) -> bool:
     return stats[name]["max"] > UNIFORM
 
 
-def finals(name: str) -> list[float]:
-    """Final held-out loss of `name`, in seed order."""
-    return [r.final() for s in SEEDS for r in results if r.name == name and r.seed == s]
-
-
 first = configs[REF]
 H = first.method.sync_every
 rows = []
@@ -97,10 +92,11 @@ for name in configs:
                 if name == REF
                 else "diverged"
                 if diverged(name)
-                else ex.gap_text(finals(REF), finals(name))
+                else ex.gap_text(ex.finals(results, REF), ex.finals(results, name))
             ),
             "_mean": stats[name]["mean"],
             "_std": stats[name]["std"],
+            "_diverged": diverged(name),
         }
     )
 columns = [k for k in rows[0] if not k.startswith("_")]
@@ -125,7 +121,25 @@ print(plotting.markdown_table(rows, columns))
 
 # %%
 fig, ax = plt.subplots()
-floats = [r for r in rows if r["compressor"] in FORMATS]
+COLORS = {
+    **{f: "tab:red" for f in FORMATS},
+    **dict(zip(SPARSIFIERS, ("tab:blue", "tab:green", "tab:purple"))),
+}
+for r in rows:
+    if r["_diverged"]:  # off the axis: marked at its top
+        ax.annotate(
+            f"{r['compressor']} {r['drop rate']}: diverged ({r['_mean']:.1f})",
+            (r["bits per parameter per sync"], 1.0),
+            xycoords=("data", "axes fraction"),
+            xytext=(0, -14),
+            textcoords="offset points",
+            ha="left",
+            fontsize=8,
+            color=COLORS[r["compressor"]],
+            arrowprops={"arrowstyle": "->", "color": COLORS[r["compressor"]]},
+        )
+rows_shown = [r for r in rows if not r["_diverged"]]
+floats = [r for r in rows_shown if r["compressor"] in FORMATS]
 ax.errorbar(
     [r["bits per parameter per sync"] for r in floats],
     [r["_mean"] for r in floats],
@@ -143,38 +157,22 @@ for r in floats:
         xytext=(4, 6),
         fontsize=8,
     )
-for (family, _), color in zip(
-    SPARSIFIERS.items(), ("tab:blue", "tab:green", "tab:purple")
-):
+for family in SPARSIFIERS:
     mine = sorted(
-        (r for r in rows if r["compressor"] == family),
+        (r for r in rows_shown if r["compressor"] == family),
         key=lambda r: r["bits per parameter per sync"],
     )
-    for r in [r for r in mine if r["_mean"] > UNIFORM]:  # off the axis: marked
-        ax.annotate(
-            f"{family} {r['drop rate']}: diverged ({r['_mean']:.1f})",
-            (r["bits per parameter per sync"], 1.0),
-            xycoords=("data", "axes fraction"),
-            xytext=(0, -14),
-            textcoords="offset points",
-            ha="left",
-            fontsize=8,
-            color=color,
-            arrowprops={"arrowstyle": "->", "color": color},
-        )
-    mine = [r for r in mine if r["_mean"] <= UNIFORM]
     ax.errorbar(
         [r["bits per parameter per sync"] for r in mine],
         [r["_mean"] for r in mine],
         yerr=[r["_std"] for r in mine],
         marker="o",
         capsize=3,
-        color=color,
+        color=COLORS[family],
         label=f"{family} (drop {', '.join(str(r['drop rate']) for r in mine)})",
     )
-shown = [r for r in rows if r["_mean"] <= UNIFORM]
-low = min(r["_mean"] - r["_std"] for r in shown)
-high = max(r["_mean"] + r["_std"] for r in shown)
+low = min(r["_mean"] - r["_std"] for r in rows_shown)
+high = max(r["_mean"] + r["_std"] for r in rows_shown)
 ax.set_ylim(low - 0.05 * (high - low), high + 0.25 * (high - low))
 ax.set_xscale("log", base=2)
 ax.set_xlabel("bits per parameter per sync (log scale)")

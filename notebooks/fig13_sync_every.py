@@ -76,9 +76,9 @@ dp = ex.summarize(dp_results)["Data-Parallel"]
 
 def gap(method: str, r: int) -> str:
     """Seed-paired gap of `method` at `r` rounds to Data-Parallel."""
-    ours = [x.final() for x in results if x.name == f"{method}|R={r}"]
-    base = [x.final() for x in dp_results]
-    return ex.gap_text(base, ours)
+    return ex.gap_text(
+        ex.finals(dp_results, "Data-Parallel"), ex.finals(results, f"{method}|R={r}")
+    )
 
 
 # %%

@@ -206,8 +206,8 @@ plt.show()
 gap_rows = []
 for method in ("Ours, M=2", "Ours, M=4"):
     for label in BUDGETS:
-        dp = [r.final() for r in results if r.name == f"Data-Parallel|{label}"]
-        ours = [r.final() for r in results if r.name == f"{method}|{label}"]
+        dp = ex.finals(results, f"Data-Parallel|{label}")
+        ours = ex.finals(results, f"{method}|{label}")
         paper_gap = PAPER[method][label][1] - PAPER["Data-Parallel"][label][1]
         row = {
             "Method": method,

@@ -64,9 +64,7 @@ def gap(base: str, other: str) -> str:
     """Seed-paired relative gap of run `other` to run `base` ("-" for itself)."""
     if base == other:
         return "-"
-    b = [r.final() for r in results if r.name == base]
-    o = [r.final() for r in results if r.name == other]
-    return ex.gap_text(b, o)
+    return ex.gap_text(ex.finals(results, base), ex.finals(results, other))
 
 
 # %%

@@ -98,3 +98,27 @@ def test_gap_text_is_the_relative_mean_and_the_t_interval_of_the_differences():
         ex.gap_text([1.0, 2.0], [1.0])
     with pytest.raises(ValueError, match="equal, non-empty"):
         ex.gap_text([], [])
+
+
+def test_finals_are_the_last_evaluation_of_each_seed_in_seed_order():
+    config = ex.setup("data_parallel")
+
+    def result(name, seed, losses):
+        evals = [
+            {"step": i, "eval/global": v, "eval/other": -v}
+            for i, v in enumerate(losses)
+        ]
+        return ex.Result(name, seed, config, evals, [], {})
+
+    # out of seed order, interleaved with another name
+    results = [
+        result("a", 2, [3.0, 2.2]),
+        result("b", 0, [9.0, 8.0]),
+        result("a", 0, [3.0, 2.0]),
+        result("a", 1, [3.0, 2.1]),
+    ]
+    assert ex.finals(results, "a") == [2.0, 2.1, 2.2]
+    assert ex.finals(results, "a", "eval/other") == [-2.0, -2.1, -2.2]
+    assert ex.finals(results, "b") == [8.0]
+    with pytest.raises(ValueError, match="no results named 'c'"):
+        ex.finals(results, "c")

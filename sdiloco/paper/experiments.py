@@ -344,6 +344,20 @@ def summarize(
     return out
 
 
+def finals(
+    results: Sequence[Result], name: str, metric: str = "eval/global"
+) -> list[float]:
+    """The final `metric` of every run named `name`, in seed order (for pairing).
+
+    Raises:
+        ValueError: if no result has that name.
+    """
+    runs = sorted((r for r in results if r.name == name), key=lambda r: r.seed)
+    if not runs:
+        raise ValueError(f"no results named {name!r}.")
+    return [r.final(metric) for r in runs]
+
+
 def mean_pm(stats: Mapping[str, float], digits: int = 3) -> str:
     """`"2.345 ± 0.012"` (or just the mean for one seed)."""
     if stats["n"] > 1:
