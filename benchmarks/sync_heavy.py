@@ -1,25 +1,30 @@
 """Throughput on a sync-heavy workload: Streaming DiLoCo against M plain optax models.
 
-Usage: `python -m benchmarks.sync_heavy [--runs 6] [--steps 200] [--layers 16]
-[--dim 256] [--batch 4]`
+Usage: `python -m benchmarks.sync_heavy [--rounds 40] [--layers 16] [--dim 256]
+[--batch 4]`
 
 The workload where synchronisation costs the most relative to compute: a ~1M-parameter
 stacked MLP (`fragment_cost.stacked_mlp`), M = 2, a small batch, H = 20 and 2
 fragments, so a send or an arrival happens every 10 steps. Streaming DiLoCo runs
-through the documented entry point, `sdiloco.jit_step(alg)` (the state donated); the
-baseline is the same AdamW on M independent replicas, vmapped and jitted with the state
-donated: the same inner work without any sync. A third program is the library's step
-with the previous E3M0 rounding (a search over the midpoints,
-`step_throughput.with_search_rounding`): the before of the bit-pattern rounding. Runs
-rotate (each program first in turn) and each times `steps` steps after a warm-up; a
-ratio is the baseline's wall time over the program's (1.0: syncs are free), per round.
+through the documented entry point, `sdiloco.jit_step(alg)` (the state donated), in two
+configurations: `float32`, the defaults of `streaming_diloco` (τ = 1, α = 0.5, float32
+outer gradients), and `e3m0`, the same with the paper's 4-bit quantization. The
+baseline, `plain`, is the same AdamW on M independent replicas, vmapped and jitted with
+the state donated: the same inner work without any sync.
 
-It also times the floor of a sync on this workload: the same arithmetic on contiguous
-arrays of one fragment's size, with no gathers, loops or branches (a send: Δ of M
-replicas, E3M0 quantization with `sdiloco.quantizer`, the mean; an arrival: the outer
-Nesterov step and the α-merge of M replicas), and prints the best ratio any
-implementation doing that work could reach: `H · plain / (H · plain + P · (send +
-arrival))`.
+Timing. On a shared machine the speed of a core drifts by tens of percent over
+seconds, more than the few percent measured here, so the programs are interleaved
+finely: a round runs one *period* (H steps: every fragment sends once and arrives
+once) of each program, in a rotated order, each timed to the end of its period. A
+round's ratio is the plain period's time over the program's (1.0: syncs are free);
+the median over rounds is the result, the interquartile range its spread, and the
+ratio of the summed times is printed beside it.
+
+It also times the floor of a sync: the same arithmetic on contiguous arrays of one
+fragment's size, with no gathers, loops or branches (a send: Δ of M replicas,
+compressed, and their mean; an arrival: the outer Nesterov step and the α-merge of M
+replicas), and prints the best ratio any implementation doing that work could reach:
+`H · plain / (H · plain + P · (send + arrival))`.
 """
 
 import argparse
@@ -35,13 +40,15 @@ import optax
 import sdiloco
 from benchmarks import _common
 from benchmarks.fragment_cost import loss_fn, stacked_mlp
-from benchmarks.step_throughput import with_search_rounding
+
+
+COMPRESSORS = {"float32": None, "e3m0": "e3m0"}
+"""The Streaming programs timed, by name: their `compressor`."""
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=6)
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--batch", type=int, default=4, help="examples per replica")
     parser.add_argument("--layers", type=int, default=16, help="blocks (even)")
     parser.add_argument("--dim", type=int, default=256, help="block width")
@@ -53,17 +60,8 @@ def main() -> None:
     frags = sdiloco.fragments_from_labels(
         params, {"embed": 0, "head": 0, "blocks": np.arange(args.layers) % 2}
     )
-    alg = sdiloco.streaming_diloco(
-        loss_fn,
-        inner=inner,
-        num_replicas=m,
-        sync_every=h,
-        fragments=frags,
-        overlap=1,
-        compressor="e3m0",
-    )
-    xs = jr.normal(jr.key(1), (args.steps, m, args.batch, 32))
-    batches = [{"x": x, "y": jnp.sin(x.sum(-1))} for x in xs]
+    xs = jr.normal(jr.key(1), (h, m, args.batch, 32))
+    period = [{"x": x, "y": jnp.sin(x.sum(-1))} for x in xs]
 
     def plain_step(state, batch):
         def one(p, s, b):
@@ -73,65 +71,73 @@ def main() -> None:
 
         return jax.vmap(one)(*state, batch), None
 
-    plain = eqx.filter_jit(plain_step, donate="all")
+    reps = jax.tree.map(
+        lambda x: jnp.array(jnp.broadcast_to(x, (m,) + x.shape)), params
+    )
+    programs = {
+        "plain": (
+            eqx.filter_jit(plain_step, donate="all"),
+            (reps, jax.vmap(inner.init)(reps)),
+        )
+    }
+    for name, compressor in COMPRESSORS.items():
+        alg = sdiloco.streaming_diloco(
+            loss_fn,
+            inner=inner,
+            num_replicas=m,
+            sync_every=h,
+            fragments=frags,
+            compressor=compressor,
+        )
+        programs[name] = (sdiloco.jit_step(alg), alg.init(params))
 
-    def fresh_plain():
-        reps = jax.tree.map(lambda x: jnp.broadcast_to(x, (m,) + x.shape), params)
-        reps = jax.tree.map(jnp.array, reps)
-        return reps, jax.vmap(inner.init)(reps)
-
-    def run(kind: str) -> float:
-        if kind == "plain":
-            state, step = fresh_plain(), lambda s, b: plain(s, b)
-        elif kind == "streaming":
-            state, step = alg.init(params), sdiloco.jit_step(alg)
-        else:  # the library's step with the previous E3M0 rounding (by search)
-            state = alg.init(params)
-            step = sdiloco.jit_step(with_search_rounding(alg.step))
-        for b in batches[:h]:  # warm-up: compile, and past the first sends
-            state, _ = step(state, b)
-        jax.block_until_ready(state)
+    def one_period(name: str) -> float:
+        step, state = programs[name]
         start = time.perf_counter()
-        for b in batches:
+        for b in period:
             state, _ = step(state, b)
         jax.block_until_ready(state)
+        programs[name] = (step, state)
         return time.perf_counter() - start
 
-    kinds = ("plain", "streaming", "search")
-    ratios: dict[str, list[float]] = {"streaming": [], "search": []}
-    for r in range(args.runs):
-        order = kinds[r % 3 :] + kinds[: r % 3]  # each kind first in turn
-        t = {k: run(k) for k in order}
-        for k in ratios:
-            ratios[k].append(t["plain"] / t[k])
+    names = list(programs)
+    for name in names:  # warm-up: compile, and past the first sends and arrivals
+        one_period(name)
+        one_period(name)
+    times = {k: [] for k in names}
+    for r in range(args.rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            times[name].append(one_period(name))
+    plain = np.asarray(times["plain"])
+    step = float(np.median(plain)) / h
+    print(
+        f"{args.rounds} rounds of one period ({h} steps) per program, interleaved; "
+        f"plain step median {step * 1e3:.2f} ms "
+        f"(range {plain.min() / h * 1e3:.2f}-{plain.max() / h * 1e3:.2f})"
+    )
+    n = int(frags.sizes()[1])
+    for name in COMPRESSORS:
+        t = np.asarray(times[name])
+        ratio = plain / t
+        q1, q3 = np.percentile(ratio, [25, 75])
+        send, arrive = sync_floor(m, n, COMPRESSORS[name])
+        bound = h * step / (h * step + frags.num_fragments * (send + arrive))
         print(
-            f"run {r}: plain {t['plain'] * 1e3 / args.steps:.2f} ms/step, streaming "
-            f"{t['streaming'] * 1e3 / args.steps:.2f} ms/step (ratio "
-            f"{ratios['streaming'][-1]:.3f}), with search rounding "
-            f"{t['search'] * 1e3 / args.steps:.2f} ms/step (ratio "
-            f"{ratios['search'][-1]:.3f})",
+            f"plain ÷ streaming {name}: median {np.median(ratio):.3f} "
+            f"(interquartile {q1:.3f}-{q3:.3f}; summed times {plain.sum() / t.sum():.3f}); "
+            f"step {np.median(t) / h * 1e3:.2f} ms; floor of a sync of {n:,} values: "
+            f"send {send * 1e3:.2f} ms, arrival {arrive * 1e3:.2f} ms, best reachable "
+            f"ratio {bound:.3f}",
             flush=True,
         )
-    for k, label in (("streaming", "streaming"), ("search", "search rounding")):
-        v = ratios[k]
-        print(
-            f"\nplain ÷ {label} over {args.runs} interleaved runs of {args.steps} "
-            f"steps: median {np.median(v):.3f}, range {min(v):.3f}-{max(v):.3f}"
-        )
-    send, arrive = sync_floor(m, int(frags.sizes()[1]))
-    step = np.median([run("plain") for _ in range(3)]) / args.steps
-    bound = h * step / (h * step + 2 * (send + arrive))
-    print(
-        f"floor of one sync of a {int(frags.sizes()[1]):,}-value fragment: send "
-        f"{send * 1e3:.2f} ms, arrival {arrive * 1e3:.2f} ms; plain step "
-        f"{step * 1e3:.2f} ms; best reachable ratio {bound:.3f}"
-    )
     print(f"at the end: {_common.machine()}")
 
 
-def sync_floor(m: int, n: int, reps: int = 30) -> tuple[float, float]:
+def sync_floor(
+    m: int, n: int, compressor: str | None, reps: int = 30
+) -> tuple[float, float]:
     """Median seconds of the bare arithmetic of one send and one arrival of n values."""
-    q = sdiloco.quantizer("e3m0")
+    q = sdiloco.quantizer(compressor) if compressor else (lambda x: x)
     outer = optax.sgd(0.4, momentum=0.9, nesterov=True)
     g = jr.normal(jr.key(0), (n,))
     reps_m = jr.normal(jr.key(1), (m, n))

@@ -50,10 +50,23 @@ class Group:
         """Elements of one member fragment."""
         return int(sum(np.prod(s, dtype=np.int64) for s in self.shapes))
 
-    def gather(self, leaves: list[Array], j: Int[ArrayLike, ""], axis: int = 0):
-        """Member j's pieces of `leaves` (rows taken along `axis`)."""
+    def gather(
+        self,
+        leaves: list[Array],
+        j: Int[ArrayLike, ""],
+        axis: int = 0,
+        read_only: bool = False,
+    ):
+        """Member j's pieces of `leaves` (rows taken along `axis`).
+
+        `read_only`: the caller does not write these leaves in the same loop, so
+        strided or contiguous rows are read as one slice, which XLA fuses into the
+        computation that consumes them; otherwise they are read row by row (see
+        `ROW_BY_ROW`), which keeps the in-place update of a leaf free of copies.
+        """
         return [
-            self.gather_one(k, leaves[i], j, axis) for k, i in enumerate(self.leaves)
+            self.gather_one(k, leaves[i], j, axis, read_only)
+            for k, i in enumerate(self.leaves)
         ]
 
     def scatter(
@@ -70,14 +83,20 @@ class Group:
         return leaves
 
     def gather_one(
-        self, k: int, x: Array, j: Int[ArrayLike, ""], axis: int = 0
+        self,
+        k: int,
+        x: Array,
+        j: Int[ArrayLike, ""],
+        axis: int = 0,
+        read_only: bool = False,
     ) -> Array:
         """Member j's piece of `x`, an array shaped like touched leaf k (with `axis`
-        leading batch axes)."""
+        leading batch axes); `read_only` as in `gather`."""
         rows = self.rows[k]
         if rows is None:
             return x
-        if rows.shape[1] <= ROW_BY_ROW:
+        start, stride = _progression(rows, x.shape[axis])
+        if rows.shape[1] <= ROW_BY_ROW and not (read_only and stride is not None):
             table = jnp.asarray(rows)[j]
             return jnp.stack(
                 [
@@ -86,7 +105,6 @@ class Group:
                 ],
                 axis,
             )
-        start, stride = _progression(rows, x.shape[axis])
         if stride is None:  # any rows: a gather
             return jnp.take(x, jnp.asarray(rows)[j], axis)
         first = jnp.asarray(start)[j]
@@ -195,8 +213,10 @@ class Layout:
 
         `inputs` holds what `fn` reads and does not change (e.g. θ_g when sending),
         `carry` what it updates. `fn` reads the state only through them, never from
-        a closure, gathers the fragment's pieces (`visit.group.gather`), computes on
-        them inside `visit.isolated` and scatters the results back. Why:
+        a closure, computes inside `visit.isolated` (which reads the touched leaves
+        whole and gathers the fragment's pieces itself, `gather(read_only=True)`,
+        so that XLA fuses the reads into the computation) and scatters the results
+        back (`visit.group.scatter`, in place). Why:
 
         - no conditional holds the state: a `lax.switch` over the groups, with the
           parameters among its operands, made XLA copy the whole carried leaves on
@@ -253,7 +273,10 @@ class Visit:
 
         It runs in a conditional on `live`, whose other branch (never taken) gives
         zeros of the same structure. Operands (and closed-over arrays) are only read,
-        so nothing is copied: pass the fragment's pieces, not the whole state.
+        so nothing is copied; pass the touched leaves whole and gather the pieces
+        inside `compute`: pieces gathered outside would be written out before the
+        conditional and read again inside it (measured on the send of a 0.5M-value
+        fragment on XLA:CPU: 2.3 ms outside, 1.2 ms inside).
         """
         shapes = jax.eval_shape(compute, *operands)
 
@@ -264,10 +287,12 @@ class Visit:
 
 
 ROW_BY_ROW = 64
-"""A piece of at most this many rows of a stacked leaf is read and written one row at
-a time (a dynamic index per row): XLA:CPU then updates the leaf in place, where a
-strided or contiguous slice of several rows made it copy the whole leaf. More rows
-use one slice or gather, keeping the program small."""
+"""A piece of at most this many rows of a stacked leaf is written one row at a time
+(a dynamic index per row): XLA:CPU then updates the leaf in place, where a strided or
+contiguous slice of several rows made it copy the whole leaf. It is read the same way
+unless the read is `read_only` and the rows are strided or contiguous (one slice,
+fused into its consumer). More rows use one slice or gather, keeping the program
+small."""
 
 
 def _progression(rows: np.ndarray, length: int) -> tuple[np.ndarray, int | None]:

@@ -78,24 +78,35 @@ def fragment_outer_step(
     """
     leaves, treedef = jax.tree.flatten(params)
     position = {i: k for k, i in enumerate(group.leaves)}
-
-    def piece(x, i):
-        if i in position:
-            return fetch(group.gather_one(position[i], x, j))
-        return jnp.zeros((0,), x.dtype)
-
-    pieces = [piece(x, i) for i, x in enumerate(leaves)]
-    grads = [
-        outer_grad[position[i]].astype(x.dtype) if i in position else x
-        for i, x in enumerate(pieces)
-    ]
     param_index = _param_index(outer, params, state)
     s_leaves, s_def = jax.tree.flatten(state)
-    s_pieces = [
-        fetch(x[p]) if i < 0 else piece(x, i) for x, i in zip(s_leaves, param_index)
+    # The update reads whole leaves and gathers the pieces itself, so that XLA fuses
+    # the reads into it (`Group.gather`'s `read_only`: the leaves are written only
+    # after it).
+    touched = [leaves[i] for i in group.leaves]
+    s_touched = [
+        fetch(x[p]) if i < 0 else x if i in position else None
+        for x, i in zip(s_leaves, param_index)
     ]
 
-    def update(grads, s_pieces, pieces):
+    def piece(x, i, j):
+        if i in position:
+            return fetch(group.gather_one(position[i], x, j, read_only=True))
+        return jnp.zeros((0,), x.dtype)
+
+    def update(touched, s_touched, outer_grad, j):
+        pieces = [
+            piece(touched[position[i]] if i in position else x, i, j)
+            for i, x in enumerate(leaves)
+        ]
+        grads = [
+            outer_grad[position[i]].astype(x.dtype) if i in position else x
+            for i, x in enumerate(pieces)
+        ]
+        s_pieces = [
+            t if i < 0 else piece(x if t is None else t, i, j)
+            for x, t, i in zip(s_leaves, s_touched, param_index)
+        ]
         updates, new_state = outer.update(
             jax.tree.unflatten(treedef, grads),
             jax.tree.unflatten(s_def, s_pieces),
@@ -107,7 +118,7 @@ def fragment_outer_step(
         ]
         return new, jax.tree.leaves(new_state)
 
-    new_pieces, new_s_pieces = isolated(update, grads, s_pieces, pieces)
+    new_pieces, new_s_pieces = isolated(update, touched, s_touched, outer_grad, j)
     new_leaves = list(leaves)
     for i in position:
         new = store(new_pieces[i])

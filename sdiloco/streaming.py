@@ -444,13 +444,20 @@ def send(
     def one(v, inputs, carry):
         g_leaves, r_leaves = inputs
         slots, ok, residual, outbox = carry
-        g = [spec.fetch(x) for x in v.group.gather(g_leaves, v.j)]
-        r = v.group.gather(r_leaves, v.j, axis=1)
         e = None if residual is None else v.group.gather(residual, v.j, axis=1)
         key = jr.fold_in(jr.fold_in(state.key, t), v.p)
         frags = v.group.piece_fragments()
 
-        def compute(g, r, e, key):
+        def compute(g_touched, r_touched, j, e, key):
+            # Gathered inside the conditional: XLA fuses the reads into the work.
+            g = [
+                spec.fetch(v.group.gather_one(k, x, j, read_only=True))
+                for k, x in enumerate(g_touched)
+            ]
+            r = [
+                v.group.gather_one(k, x, j, 1, read_only=True)
+                for k, x in enumerate(r_touched)
+            ]
             deltas = communication.outer_gradients(g, r)
             if e is not None:
                 deltas = [d + x for d, x in zip(deltas, e)]
@@ -465,7 +472,11 @@ def send(
             errors = None if e is None else [d - q for d, q in zip(deltas, recon)]
             return out, finite, errors
 
-        out, finite, errors = v.isolated(compute, g, r, e, key)
+        touched = (
+            [g_leaves[i] for i in v.group.leaves],
+            [r_leaves[i] for i in v.group.leaves],
+        )
+        out, finite, errors = v.isolated(compute, *touched, v.j, e, key)
         if spec.posted:
             k = jnp.asarray(layout.slot_of)[v.p]
             outbox = jax.lax.dynamic_update_slice(
@@ -606,10 +617,16 @@ def merge_arrivals(
     layout = spec.layout_of(eqx.filter(state.global_params, eqx.is_inexact_array))
 
     def one(v, g_leaves, r_leaves):
-        g = [spec.fetch(x) for x in v.group.gather(g_leaves, v.j)]
-        r = v.group.gather(r_leaves, v.j, axis=1)
-
-        def compute(r, g, due, ok):
+        def compute(r_touched, g_touched, j, due, ok):
+            # Gathered inside the conditional: XLA fuses the reads into the merge.
+            g = [
+                spec.fetch(v.group.gather_one(k, x, j, read_only=True))
+                for k, x in enumerate(g_touched)
+            ]
+            r = [
+                v.group.gather_one(k, x, j, 1, read_only=True)
+                for k, x in enumerate(r_touched)
+            ]
             return [
                 merge(
                     x,
@@ -621,7 +638,11 @@ def merge_arrivals(
                 for x, y in zip(r, g)
             ]
 
-        new = v.isolated(compute, r, g, merging[:, v.p], keep[v.p])
+        touched = (
+            [r_leaves[i] for i in v.group.leaves],
+            [g_leaves[i] for i in v.group.leaves],
+        )
+        new = v.isolated(compute, *touched, v.j, merging[:, v.p], keep[v.p])
         return v.group.scatter(r_leaves, v.j, new, axis=1)
 
     r_leaves = layout.for_each(jnp.any(merging, axis=0), one, r_leaves, g_leaves)
@@ -704,7 +725,8 @@ def _to_host(tree: Any) -> Any:
 
 
 def _finite(values: list[Array]) -> Array:
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(v)) for v in values]))
+    # x * 0 is 0 where x is finite and NaN where it is not; the sum cannot overflow.
+    return jnp.isfinite(sum(jnp.sum(v * jnp.zeros((), v.dtype)) for v in values))
 
 
 def _deltas_like(spec: StreamingSpec, group: Any, leaves: list[Array]) -> list[Any]:

@@ -148,14 +148,27 @@ def _always_run(comps: dict[str, list[str]], entry: str) -> set[str]:
     return seen
 
 
+COMPRESSORS = {
+    "e3m0": "e3m0",
+    "e2m1": "e2m1",  # a table searched by comparisons
+    "e4m3": "e4m3",  # a table searched by searchsorted
+    "float32": None,
+    "stochastic": lambda: sdiloco.quantizer("e3m0", rounding="stochastic"),
+    "rows": lambda: sdiloco.quantizer("e3m0", granularity="row"),
+}
+
+
+@pytest.mark.parametrize("comp", sorted(COMPRESSORS))
 @pytest.mark.parametrize("kind", ["streaming", "diloco"])
-def test_compiled_sync_works_only_inside_the_loops_and_copies_no_leaf(kind):
+def test_compiled_sync_works_only_inside_the_loops_and_copies_no_leaf(kind, comp):
     """The sync half of a step (send, outer step, merge), compiled with the state
     donated: outside the loops over due fragments nothing of a fragment's size is
     computed (XLA hoists loop-invariant work, e.g. DiLoCo's Δ or a quantizer's grid
     broadcast over the fragment, to run at every step unless prevented), and no
     copy anywhere is as large as a stacked leaf (a conditional holding the
-    parameters made XLA copy them whole on entry and exit)."""
+    parameters made XLA copy them whole on entry and exit). For each kind of
+    compressor: a quantizer's grid, or a stochastic one's random counters, are work
+    of the fragment's size that does not depend on the fragment."""
     params = {
         "embed": jnp.ones((8, 16)),
         "blocks": jnp.ones((8, 64, 64)),
@@ -170,7 +183,7 @@ def test_compiled_sync_works_only_inside_the_loops_and_copies_no_leaf(kind):
         sync_every=8,
         fragments=sdiloco.fragments_from_labels(params, labels) if streams else None,
         overlap=1 if streams else 0,
-        compressor="e3m0",
+        compressor=c() if callable(c := COMPRESSORS[comp]) else c,
     )
     spec = alg.spec
 
@@ -179,7 +192,7 @@ def test_compiled_sync_works_only_inside_the_loops_and_copies_no_leaf(kind):
         local = {"loss/replicas": jnp.zeros(2), "sync/sent": sent}
         return streaming.sync_phase(spec, state, local)
 
-    state = alg.init(params)
+    state = alg.init(params, key=jax.random.key(0))
     text = jax.jit(sync, donate_argnums=0).lower(state).compile().as_text()
     comps, entry = _computations(text)
     quarter = 2 * 64 * 64  # a quarter of the smallest fragment

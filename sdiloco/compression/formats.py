@@ -108,12 +108,38 @@ def round_nearest(a: Array, mags: np.ndarray) -> Array:
     """
     if _powers_of_two(mags):
         return _round_nearest_pow2(a, mags)
-    mids = jnp.asarray((mags[1:] + mags[:-1]) / 2, a.dtype)
-    below = jnp.searchsorted(mids, a, side="left", method=_search_method(mids))
+    mids_np = (mags[1:] + mags[:-1]) / 2
+    if len(mids_np) <= SMALL_TABLE:
+        # Each midpoint is a scalar constant: one elementwise pass, and nothing of
+        # the input's size that does not depend on the input (XLA hoists such a
+        # broadcast out of the loop over due fragments, to run at every step).
+        below = _count_below(a, mids_np, strict=True)
+        tie = jnp.zeros(a.shape, bool)  # a exactly on an odd midpoint (below = k)
+        for k in range(1, len(mids_np), 2):
+            tie = tie | (a == np.asarray(mids_np[k], a.dtype))
+        return below + tie.astype(jnp.int32)
+    mids = jnp.asarray(mids_np, a.dtype)
+    below = jnp.searchsorted(mids, a, side="left", method="scan")
     below = below.astype(jnp.int32)  # number of midpoints < a
     at = jnp.take(mids, jnp.minimum(below, len(mids) - 1))
     tie = (below < len(mids)) & (at == a)
     return jnp.where(tie & (below % 2 == 1), below + 1, below)
+
+
+SMALL_TABLE = 16
+"""Tables of at most this many entries are searched by one comparison per entry
+against a scalar (the 4-bit formats); larger ones (FP8's ~127) by `searchsorted`."""
+
+
+def _count_below(a: Array, table: np.ndarray, strict: bool) -> Array:
+    """How many entries of the sorted `table` are `< a` (`strict`) or `<= a`, as
+    `searchsorted(table, a, side="left" / "right")`; NaN counts every entry, like
+    `searchsorted`, which sorts NaN last."""
+    count = jnp.zeros(a.shape, jnp.int32)
+    for t in table:
+        t = np.asarray(t, a.dtype)
+        count = count + jnp.logical_not(a <= t if strict else a < t).astype(jnp.int32)
+    return count
 
 
 def _powers_of_two(mags: np.ndarray) -> bool:
@@ -151,8 +177,11 @@ def _round_nearest_pow2(a: Array, mags: np.ndarray) -> Array:
 def round_stochastic(a: Array, mags: np.ndarray, u: Array) -> Array:
     """Lower or upper neighbour, with P(upper) = (a - lo) / (hi - lo): E[value] = a."""
     table = jnp.asarray(mags, a.dtype)
-    lo = jnp.searchsorted(table, a, side="right", method=_search_method(table))
-    lo = lo.astype(jnp.int32) - 1
+    if len(mags) <= SMALL_TABLE:
+        lo = _count_below(a, mags, strict=False) - 1
+    else:
+        lo = jnp.searchsorted(table, a, side="right", method="scan")
+        lo = lo.astype(jnp.int32) - 1
     lo = jnp.clip(lo, 0, len(mags) - 2)
     lo_v, hi_v = jnp.take(table, lo), jnp.take(table, lo + 1)
     p_up = (a - lo_v) / (hi_v - lo_v)
@@ -175,12 +204,6 @@ def _exmy(e: int, m: int, man_bits: int, bias: int) -> float:
     if e == 0:
         return (m / 2**man_bits) * 2.0 ** (1 - bias)
     return (1 + m / 2**man_bits) * 2.0 ** (e - bias)
-
-
-def _search_method(table: Array) -> str:
-    """`compare_all` is 3-4x faster than the default gather loop on XLA:CPU for the
-    4-bit tables (<= 8 entries) but ~10x slower for FP8's ~127 (benchmarks/README.md)."""
-    return "compare_all" if table.shape[0] <= 16 else "scan"
 
 
 def _stochastic_truncate(x: Array, key: PRNGKeyArray, mantissa_bits: int) -> Array:
