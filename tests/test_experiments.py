@@ -122,3 +122,40 @@ def test_finals_are_the_last_evaluation_of_each_seed_in_seed_order():
     assert ex.finals(results, "b") == [8.0]
     with pytest.raises(ValueError, match="no results named 'c'"):
         ex.finals(results, "c")
+
+
+def test_run_one_logs_the_training_time_of_a_recorded_run(tmp_path, monkeypatch):
+    """A run read from its record is logged with the record's training time, not
+    trained: what `sdiloco.paper` sums into `runtimes.json`."""
+    monkeypatch.setattr(ex, "FAST", False)
+    monkeypatch.setenv("SDILOCO_RUN_CACHE", str(tmp_path / "runs"))
+    monkeypatch.setenv(ex.RUN_LOG, str(tmp_path / "log.jsonl"))
+    monkeypatch.delenv("SDILOCO_RETRAIN", raising=False)
+    config = ex.setup("data_parallel", model="tiny-xxxs")
+    key = ex.record_key(ex.with_seed(config, 3))
+    (tmp_path / "runs").mkdir()
+    record = {"config": {}, "evals": [], "rows": [], "summary": {"wall_s": 12.5}}
+    (tmp_path / "runs" / f"{key}.json").write_text(json.dumps(record))
+    for _ in range(2):  # asked twice (two tables of one notebook)
+        result = ex.run_one("dp", config, 3)
+    assert result.summary == {"wall_s": 12.5}
+    lines = (tmp_path / "log.jsonl").read_text().splitlines()
+    assert [json.loads(x) for x in lines] == [
+        {"key": key, "trained": False, "wall_s": 12.5}
+    ] * 2
+    from sdiloco.paper import figures
+
+    assert figures.run_times(lines) == {"runs": 1, "trained": 0, "train_s": 12.5}
+
+
+def test_run_times_count_each_run_once_and_sum_their_training():
+    from sdiloco.paper import figures
+
+    lines = [
+        json.dumps({"key": "a", "trained": False, "wall_s": 100.0}),
+        json.dumps({"key": "b", "trained": True, "wall_s": 20.25}),
+        json.dumps({"key": "a", "trained": False, "wall_s": 100.0}),
+        json.dumps({"key": "c", "trained": False, "wall_s": None}),
+    ]
+    assert figures.run_times(lines) == {"runs": 3, "trained": 1, "train_s": 120.2}
+    assert figures.run_times([]) == {"runs": 0, "trained": 0, "train_s": 0.0}

@@ -291,6 +291,7 @@ def run_one(
         return Result(name, seed, c, d["evals"], d["rows"], d["summary"])
     if use_cache and path.exists() and not retrain():
         d = json.loads(path.read_text())
+        _log_run(key, False, d["summary"])
         return Result(name, seed, c, d["evals"], d["rows"], d["summary"])
     callback, collect = None, dict
     if callback_factory is not None:
@@ -303,7 +304,22 @@ def run_one(
         tmp.replace(path)  # never a partial record
     elif FAST and callback_factory is None:
         _FAST_RUNS[key] = {"evals": h.evals, "rows": h.rows, "summary": h.summary}
+    _log_run(key, True, h.summary)
     return Result(name, seed, c, h.evals, h.rows, h.summary, collect())
+
+
+RUN_LOG = "SDILOCO_RUN_LOG"
+"""Environment variable: a file to which `run_one` appends one JSON line per run it
+returns (`key`, whether it `trained` now, the run's training `wall_s`);
+`sdiloco.paper` sets it to learn how long a notebook's runs took to train."""
+
+
+def _log_run(key: str, trained: bool, summary: Mapping[str, Any]) -> None:
+    path = os.environ.get(RUN_LOG)
+    if path:
+        line = {"key": key, "trained": trained, "wall_s": summary.get("wall_s")}
+        with open(path, "a") as f:
+            f.write(json.dumps(line) + "\n")
 
 
 _FAST_RUNS: dict[str, dict[str, Any]] = {}

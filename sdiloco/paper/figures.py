@@ -16,8 +16,11 @@ with the artifacts, so a fresh checkout re-renders every notebook from the recor
 seconds; `--retrain` trains them again.
 
 NAME selects notebooks whose file name contains it (e.g. `fig08`, `table4`); none runs
-them all. `--jobs 2` runs two notebooks at a time. Wall times of full runs are recorded in
-`paper_figures/runtimes.json`.
+them all. `--jobs 2` runs two notebooks at a time. A full-mode execution records in
+`paper_figures/runtimes.json`, per notebook: its wall time (`wall_s`, including any
+training it did), its learning runs (`runs`), how many it trained then
+(`trained`) and their training time summed from their records (`train_s`, whenever
+they trained): re-rendering from records does not erase what training took.
 
 The notebooks and outputs are those of a repository checkout: the one holding the
 current directory, or `$SDILOCO_REPO`, or `--notebooks DIR` (see `plotting.repo_root`).
@@ -32,8 +35,10 @@ import os
 import pathlib
 import subprocess
 import sys
+import tempfile
 import time
 
+from . import experiments
 from .plotting import repo_root
 
 
@@ -73,8 +78,14 @@ def notebooks(
     return chosen
 
 
-def execute(path: pathlib.Path, *, fast: bool, out_dir: pathlib.Path) -> float:
-    """Execute one notebook with nbclient; in full mode save it with its outputs."""
+def execute(
+    path: pathlib.Path, *, fast: bool, out_dir: pathlib.Path
+) -> tuple[float, dict]:
+    """Execute one notebook with nbclient; in full mode save it with its outputs.
+
+    Returns:
+        The wall time in seconds and `run_times` of the learning runs it used.
+    """
     import jupytext
     import nbclient
 
@@ -84,23 +95,47 @@ def execute(path: pathlib.Path, *, fast: bool, out_dir: pathlib.Path) -> float:
     nb.metadata.setdefault("kernelspec", {}).update(
         {"name": "python3", "display_name": "Python 3", "language": "python"}
     )
-    start = time.perf_counter()
-    nbclient.NotebookClient(
-        nb,
-        timeout=None,
-        kernel_name="python3",
-        resources={"metadata": {"path": str(path.parent)}},
-    ).execute()
-    wall = time.perf_counter() - start
+    with tempfile.TemporaryDirectory() as tmp:
+        log = pathlib.Path(tmp) / "runs.jsonl"
+        os.environ[experiments.RUN_LOG] = str(log)  # read by the kernel's run_one
+        start = time.perf_counter()
+        try:
+            nbclient.NotebookClient(
+                nb,
+                timeout=None,
+                kernel_name="python3",
+                resources={"metadata": {"path": str(path.parent)}},
+            ).execute()
+        finally:
+            del os.environ[experiments.RUN_LOG]
+        wall = time.perf_counter() - start
+        runs = run_times(log.read_text().splitlines() if log.exists() else [])
     if not fast:
         jupytext.write(nb, path.with_suffix(".ipynb"))
-    return wall
+    return wall, runs
 
 
-def _record(out_dir: pathlib.Path, name: str, wall: float) -> None:
+def run_times(lines: list[str]) -> dict:
+    """The runs of a run log (`experiments.RUN_LOG`), each counted once: how many
+    (`runs`), how many trained in this execution (`trained`), and their training
+    time summed (`train_s`; runs whose record has no time are left out of it)."""
+    runs: dict[str, dict] = {}
+    for line in lines:
+        d = json.loads(line)
+        seen = runs.setdefault(d["key"], d)
+        seen["trained"] = seen["trained"] or d["trained"]
+    walls = [d["wall_s"] for d in runs.values() if d["wall_s"] is not None]
+    return {
+        "runs": len(runs),
+        "trained": sum(d["trained"] for d in runs.values()),
+        "train_s": round(float(sum(walls)), 1),
+    }
+
+
+def _record(out_dir: pathlib.Path, name: str, wall: float, runs: dict) -> None:
     path = out_dir / "runtimes.json"
     times = json.loads(path.read_text()) if path.exists() else {}
-    times[name] = round(wall, 1)
+    times[name] = {"wall_s": round(wall, 1), **runs}
     path.write_text(json.dumps(dict(sorted(times.items())), indent=1) + "\n")
 
 
@@ -155,10 +190,12 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = pathlib.Path(args.out or default).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
 
+    runs: dict = {}
+
     def one(path: pathlib.Path) -> tuple[str, float, int]:
         start = time.perf_counter()
         if len(paths) == 1:
-            execute(path, fast=args.fast, out_dir=out_dir)
+            runs.update(execute(path, fast=args.fast, out_dir=out_dir)[1])
             return path.stem, time.perf_counter() - start, 0
         cmd = [
             sys.executable,
@@ -182,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
             if rc:
                 failed.append(name)
             elif not args.fast and len(paths) == 1:
-                _record(out_dir, name, wall)
+                _record(out_dir, name, wall, runs)
     print(
         f"{len(paths) - len(failed)}/{len(paths)} notebooks in {time.perf_counter() - total:.0f} s"
     )
