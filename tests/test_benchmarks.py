@@ -22,6 +22,7 @@ compile_count = importlib.import_module("benchmarks.compile_count")
 memory = importlib.import_module("benchmarks.memory")
 step_throughput = importlib.import_module("benchmarks.step_throughput")
 _common = importlib.import_module("benchmarks._common")
+compare_versions = importlib.import_module("benchmarks.compare_versions")
 
 
 H = 4
@@ -130,3 +131,14 @@ def test_rounding_by_search_gives_the_library_codes(format):
     )
     assert np.array_equal(expected.codes, patched.codes)
     assert np.array_equal(expected.scale, patched.scale, equal_nan=True)
+
+
+def test_compare_versions_loads_a_copy_of_the_package_under_its_own_name(tmp_path):
+    """Two versions in one process: the copy is a module of its own (its submodules
+    too), not the installed `sdiloco`; a directory without the package is refused."""
+    copy = compare_versions.load(str(pathlib.Path(sdiloco.__file__).parent), "sdl_copy")
+    assert copy is not sdiloco and copy.__name__ == "sdl_copy"
+    assert copy.streaming_diloco is not sdiloco.streaming_diloco
+    assert sys.modules["sdl_copy.streaming"].__name__ == "sdl_copy.streaming"
+    with pytest.raises(SystemExit, match="not a copy of the sdiloco package"):
+        compare_versions.load(str(tmp_path), "sdl_missing")
