@@ -70,7 +70,8 @@ def fragment_outer_step(
         fetch: applied to every piece read from `params` and `state` (e.g. a move
             from host memory to the device, when they are offloaded).
         store: applied to every piece before it is written back (e.g. the move back).
-        isolated: `isolated(compute, *operands)` runs the update on the pieces
+        isolated: `isolated(compute, *operands)` runs the update, which is given
+            the touched leaves whole and gathers the fragment's pieces itself
             (`inflight.Visit.isolated` inside `Layout.for_each`; by default a call).
 
     Returns:
