@@ -15,7 +15,9 @@ inner-only step, a send and an arrival of each fragment, on crafted states
 (`sync_cost.crafted_states`; each call gets a fresh copy, as the state is donated).
 It prints, per version, the extra time of each kind (the inner-only step over the
 plain one, the others over the inner-only step), and the medians of the paired
-differences new − old.
+differences new − old; and whether the two versions' states are bitwise equal after
+3H steps from the same start (a change meant to be bitwise neutral must print
+`True`).
 """
 
 import argparse
@@ -95,6 +97,7 @@ def main() -> None:
             (reps, jax.vmap(inner.init)(reps)),
         )
     }
+    finals = {}
     for name, lib in versions.items():
         labels = {"embed": 0, "head": 0, "blocks": np.arange(layers) % 2}
         alg = lib.streaming_diloco(
@@ -105,9 +108,10 @@ def main() -> None:
             fragments=lib.fragments_from_labels(params, labels),
             compressor=args.compressor,
         )
-        step, state = lib.jit_step(alg), alg.init(params)
-        for _ in range(3):
+        step, state = lib.jit_step(alg), alg.init(params, key=jr.key(2))
+        for _ in range(3 * h):
             state, _ = step(state, batch)
+        finals[name] = [np.asarray(x) for x in jax.tree.leaves(state)]
         states = crafted_states(state, alg.spec.schedule.first_send, h)
         for label, key in KINDS.items():
             programs[f"{name} {label}"] = (step, states[key])
@@ -144,7 +148,9 @@ def main() -> None:
         print(
             f"| {label} | {extra['old']:+.2f} | {extra['new']:+.2f} | {paired:+.2f} |"
         )
-    print(f"\nat the end: {_common.machine()}")
+    equal = all(np.array_equal(a, b) for a, b in zip(finals["old"], finals["new"]))
+    print(f"\nstates after {3 * h} steps bitwise equal: {equal}")
+    print(f"at the end: {_common.machine()}")
 
 
 if __name__ == "__main__":
