@@ -36,6 +36,7 @@ import optax
 from benchmarks import _common
 from benchmarks.fragment_cost import loss_fn, stacked_mlp
 from benchmarks.sync_cost import crafted_states
+from benchmarks.sync_heavy import plain_program
 
 
 KINDS = {
@@ -80,23 +81,7 @@ def main() -> None:
     x = jr.normal(jr.key(1), (m, 4, 32))
     batch = {"x": x, "y": jnp.sin(x.sum(-1))}
 
-    def plain_step(state, batch):
-        def one(p, s, b):
-            g = jax.grad(loss_fn)(p, b)
-            u, s = inner.update(g, s, p)
-            return optax.apply_updates(p, u), s
-
-        return jax.vmap(one)(*state, batch), None
-
-    reps = jax.tree.map(
-        lambda a: jnp.array(jnp.broadcast_to(a, (m,) + a.shape)), params
-    )
-    programs = {
-        "plain": (
-            eqx.filter_jit(plain_step, donate="all"),
-            (reps, jax.vmap(inner.init)(reps)),
-        )
-    }
+    programs = {"plain": plain_program(params, inner, m)}
     finals = {}
     for name, lib in versions.items():
         labels = {"embed": 0, "head": 0, "blocks": np.arange(layers) % 2}

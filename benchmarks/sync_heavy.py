@@ -63,23 +63,7 @@ def main() -> None:
     xs = jr.normal(jr.key(1), (h, m, args.batch, 32))
     period = [{"x": x, "y": jnp.sin(x.sum(-1))} for x in xs]
 
-    def plain_step(state, batch):
-        def one(p, s, b):
-            g = jax.grad(loss_fn)(p, b)
-            u, s = inner.update(g, s, p)
-            return optax.apply_updates(p, u), s
-
-        return jax.vmap(one)(*state, batch), None
-
-    reps = jax.tree.map(
-        lambda x: jnp.array(jnp.broadcast_to(x, (m,) + x.shape)), params
-    )
-    programs = {
-        "plain": (
-            eqx.filter_jit(plain_step, donate="all"),
-            (reps, jax.vmap(inner.init)(reps)),
-        )
-    }
+    programs = {"plain": plain_program(params, inner, m)}
     for name, compressor in COMPRESSORS.items():
         alg = sdiloco.streaming_diloco(
             loss_fn,
@@ -131,6 +115,24 @@ def main() -> None:
             flush=True,
         )
     print(f"at the end: {_common.machine()}")
+
+
+def plain_program(params, inner: optax.GradientTransformation, m: int):
+    """The baseline: `inner` on M independent replicas of `params`, vmapped, jitted
+    with the state donated. Returns the step and its first state."""
+
+    def plain_step(state, batch):
+        def one(p, s, b):
+            g = jax.grad(loss_fn)(p, b)
+            u, s = inner.update(g, s, p)
+            return optax.apply_updates(p, u), s
+
+        return jax.vmap(one)(*state, batch), None
+
+    reps = jax.tree.map(
+        lambda x: jnp.array(jnp.broadcast_to(x, (m,) + x.shape)), params
+    )
+    return eqx.filter_jit(plain_step, donate="all"), (reps, jax.vmap(inner.init)(reps))
 
 
 def sync_floor(

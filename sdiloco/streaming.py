@@ -449,15 +449,7 @@ def send(
         frags = v.group.piece_fragments()
 
         def compute(g_touched, r_touched, j, e, key):
-            # Gathered inside the conditional: XLA fuses the reads into the work.
-            g = [
-                spec.fetch(v.group.gather_one(k, x, j, read_only=True))
-                for k, x in enumerate(g_touched)
-            ]
-            r = [
-                v.group.gather_one(k, x, j, 1, read_only=True)
-                for k, x in enumerate(r_touched)
-            ]
+            g, r = _read_pieces(spec, v.group, g_touched, r_touched, j)
             deltas = communication.outer_gradients(g, r)
             if e is not None:
                 deltas = [d + x for d, x in zip(deltas, e)]
@@ -626,15 +618,7 @@ def merge_arrivals(
 
     def one(v, g_leaves, r_leaves):
         def compute(r_touched, g_touched, j, due, ok):
-            # Gathered inside the conditional: XLA fuses the reads into the merge.
-            g = [
-                spec.fetch(v.group.gather_one(k, x, j, read_only=True))
-                for k, x in enumerate(g_touched)
-            ]
-            r = [
-                v.group.gather_one(k, x, j, 1, read_only=True)
-                for k, x in enumerate(r_touched)
-            ]
+            g, r = _read_pieces(spec, v.group, g_touched, r_touched, j)
             return [
                 merge(
                     x,
@@ -730,6 +714,23 @@ def _to_host(tree: Any) -> Any:
         lambda x: jax.device_put(x, jax.memory.Space.Host) if eqx.is_array(x) else x,
         tree,
     )
+
+
+def _read_pieces(
+    spec: StreamingSpec,
+    group: Any,
+    g_touched: list[Array],
+    r_touched: list[Array],
+    j: Array,
+) -> tuple[list[Array], list[Array]]:
+    """Member j's pieces of θ_g's and of the replicas' touched leaves. Called inside
+    `Visit.isolated`, so that XLA fuses these reads into the work on them."""
+    g = [
+        spec.fetch(group.gather_one(k, x, j, read_only=True))
+        for k, x in enumerate(g_touched)
+    ]
+    r = [group.gather_one(k, x, j, 1, read_only=True) for k, x in enumerate(r_touched)]
+    return g, r
 
 
 def _finite(values: list[Array]) -> Array:
