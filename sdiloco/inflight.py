@@ -55,17 +55,18 @@ class Group:
         leaves: list[Array],
         j: Int[ArrayLike, ""],
         axis: int = 0,
-        read_only: bool = False,
+        fused: bool = False,
     ):
         """Member j's pieces of `leaves` (rows taken along `axis`).
 
-        `read_only`: the caller does not write these leaves in the same loop, so
-        strided or contiguous rows are read as one slice, which XLA fuses into the
-        computation that consumes them; otherwise they are read row by row (see
-        `ROW_BY_ROW`), which keeps the in-place update of a leaf free of copies.
+        `fused`: for reads inside `Visit.isolated`, whose conditional has read
+        everything before any write to the leaves: strided or contiguous rows are
+        read as one slice, which XLA fuses into the computation. Otherwise rows are
+        read one by one (see `ROW_BY_ROW`): a slice read beside an in-place update
+        of the same leaf made XLA copy the leaf whole.
         """
         return [
-            self.gather_one(k, leaves[i], j, axis, read_only)
+            self.gather_one(k, leaves[i], j, axis, fused)
             for k, i in enumerate(self.leaves)
         ]
 
@@ -88,15 +89,15 @@ class Group:
         x: Array,
         j: Int[ArrayLike, ""],
         axis: int = 0,
-        read_only: bool = False,
+        fused: bool = False,
     ) -> Array:
         """Member j's piece of `x`, an array shaped like touched leaf k (with `axis`
-        leading batch axes); `read_only` as in `gather`."""
+        leading batch axes); `fused` as in `gather`."""
         rows = self.rows[k]
         if rows is None:
             return x
         start, stride = _progression(rows, x.shape[axis])
-        if rows.shape[1] <= ROW_BY_ROW and not (read_only and stride is not None):
+        if rows.shape[1] <= ROW_BY_ROW and not (fused and stride is not None):
             table = jnp.asarray(rows)[j]
             return jnp.stack(
                 [
@@ -214,7 +215,7 @@ class Layout:
         `inputs` holds what `fn` reads and does not change (e.g. θ_g when sending),
         `carry` what it updates. `fn` reads the state only through them, never from
         a closure, computes inside `visit.isolated` (which reads the touched leaves
-        whole and gathers the fragment's pieces itself, `gather(read_only=True)`,
+        whole and gathers the fragment's pieces itself, `gather(..., fused=True)`,
         so that XLA fuses the reads into the computation) and scatters the results
         back (`visit.group.scatter`, in place). Why:
 
@@ -289,9 +290,9 @@ class Visit:
 ROW_BY_ROW = 64
 """A piece of at most this many rows of a stacked leaf is written one row at a time
 (a dynamic index per row): XLA:CPU then updates the leaf in place, where a strided or
-contiguous slice of several rows made it copy the whole leaf. It is read the same way
-unless the read is `read_only` and the rows are strided or contiguous (one slice,
-fused into its consumer). More rows use one slice or gather, keeping the program
+contiguous slice of several rows made it copy the whole leaf. It is read the same way,
+unless the read is `fused` (inside `Visit.isolated`) and the rows are strided or
+contiguous (one slice, fused into its consumer). More rows use one slice or gather, keeping the program
 small."""
 
 

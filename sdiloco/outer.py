@@ -82,7 +82,7 @@ def fragment_outer_step(
     param_index = _param_index(outer, params, state)
     s_leaves, s_def = jax.tree.flatten(state)
     # The update reads whole leaves and gathers the pieces itself, so that XLA fuses
-    # the reads into it (`Group.gather`'s `read_only`: the leaves are written only
+    # the reads into it (`Group.gather`'s `fused`: the leaves are written only
     # after it).
     touched = [leaves[i] for i in group.leaves]
     s_touched = [
@@ -92,7 +92,7 @@ def fragment_outer_step(
 
     def piece(x, i, j):
         if i in position:
-            return fetch(group.gather_one(position[i], x, j, read_only=True))
+            return fetch(group.gather_one(position[i], x, j, fused=True))
         return jnp.zeros((0,), x.dtype)
 
     def update(touched, s_touched, outer_grad, j):

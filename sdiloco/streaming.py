@@ -726,10 +726,10 @@ def _read_pieces(
     """Member j's pieces of θ_g's and of the replicas' touched leaves. Called inside
     `Visit.isolated`, so that XLA fuses these reads into the work on them."""
     g = [
-        spec.fetch(group.gather_one(k, x, j, read_only=True))
+        spec.fetch(group.gather_one(k, x, j, fused=True))
         for k, x in enumerate(g_touched)
     ]
-    r = [group.gather_one(k, x, j, 1, read_only=True) for k, x in enumerate(r_touched)]
+    r = [group.gather_one(k, x, j, 1, fused=True) for k, x in enumerate(r_touched)]
     return g, r
 
 
