@@ -50,24 +50,10 @@ class Group:
         """Elements of one member fragment."""
         return int(sum(np.prod(s, dtype=np.int64) for s in self.shapes))
 
-    def gather(
-        self,
-        leaves: list[Array],
-        j: Int[ArrayLike, ""],
-        axis: int = 0,
-        fused: bool = False,
-    ):
-        """Member j's pieces of `leaves` (rows taken along `axis`).
-
-        `fused`: for reads inside `Visit.isolated`, whose conditional has read
-        everything before any write to the leaves: strided or contiguous rows are
-        read as one slice, which XLA fuses into the computation. Otherwise rows are
-        read one by one (see `ROW_BY_ROW`): a slice read beside an in-place update
-        of the same leaf made XLA copy the leaf whole.
-        """
+    def gather(self, leaves: list[Array], j: Int[ArrayLike, ""], axis: int = 0):
+        """Member j's pieces of `leaves` (rows taken along `axis`)."""
         return [
-            self.gather_one(k, leaves[i], j, axis, fused)
-            for k, i in enumerate(self.leaves)
+            self.gather_one(k, leaves[i], j, axis) for k, i in enumerate(self.leaves)
         ]
 
     def scatter(
@@ -92,7 +78,14 @@ class Group:
         fused: bool = False,
     ) -> Array:
         """Member j's piece of `x`, an array shaped like touched leaf k (with `axis`
-        leading batch axes); `fused` as in `gather`."""
+        leading batch axes).
+
+        `fused`: for reads inside `Visit.isolated`, whose conditional has read
+        everything before any write to the leaves: strided or contiguous rows are
+        read as one slice, which XLA fuses into the computation. Otherwise rows are
+        read one by one (see `ROW_BY_ROW`): a slice read beside an in-place update
+        of the same leaf made XLA copy the leaf whole.
+        """
         rows = self.rows[k]
         if rows is None:
             return x
@@ -215,7 +208,7 @@ class Layout:
         `inputs` holds what `fn` reads and does not change (e.g. θ_g when sending),
         `carry` what it updates. `fn` reads the state only through them, never from
         a closure, computes inside `visit.isolated` (which reads the touched leaves
-        whole and gathers the fragment's pieces itself, `gather(..., fused=True)`,
+        whole and gathers the fragment's pieces itself, `gather_one(..., fused=True)`,
         so that XLA fuses the reads into the computation) and scatters the results
         back (`visit.group.scatter`, in place). Why:
 
@@ -292,8 +285,8 @@ ROW_BY_ROW = 64
 (a dynamic index per row): XLA:CPU then updates the leaf in place, where a strided or
 contiguous slice of several rows made it copy the whole leaf. It is read the same way,
 unless the read is `fused` (inside `Visit.isolated`) and the rows are strided or
-contiguous (one slice, fused into its consumer). More rows use one slice or gather, keeping the program
-small."""
+contiguous (one slice, fused into its consumer). More rows use one slice or gather,
+keeping the program small."""
 
 
 def _progression(rows: np.ndarray, length: int) -> tuple[np.ndarray, int | None]:

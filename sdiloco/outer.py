@@ -82,7 +82,7 @@ def fragment_outer_step(
     param_index = _param_index(outer, params, state)
     s_leaves, s_def = jax.tree.flatten(state)
     # The update reads whole leaves and gathers the pieces itself, so that XLA fuses
-    # the reads into it (`Group.gather`'s `fused`: the leaves are written only
+    # the reads into it (`Group.gather_one`'s `fused`: the leaves are written only
     # after it).
     touched = [leaves[i] for i in group.leaves]
     s_touched = [

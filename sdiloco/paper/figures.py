@@ -190,13 +190,13 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = pathlib.Path(args.out or default).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    runs: dict = {}
-
-    def one(path: pathlib.Path) -> tuple[str, float, int]:
+    def one(path: pathlib.Path) -> tuple[str, float, int, dict]:
+        """Run one notebook: here if it is the only one (its runs' times come back),
+        else in a subprocess, which records its own times."""
         start = time.perf_counter()
         if len(paths) == 1:
-            runs.update(execute(path, fast=args.fast, out_dir=out_dir)[1])
-            return path.stem, time.perf_counter() - start, 0
+            _, runs = execute(path, fast=args.fast, out_dir=out_dir)
+            return path.stem, time.perf_counter() - start, 0, runs
         cmd = [
             sys.executable,
             "-m",
@@ -208,12 +208,12 @@ def main(argv: list[str] | None = None) -> int:
             str(path.parent),
         ]
         rc = subprocess.run(cmd + (["--fast"] if args.fast else [])).returncode
-        return path.stem, time.perf_counter() - start, rc
+        return path.stem, time.perf_counter() - start, rc, {}
 
     failed = []
     total = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-        for name, wall, rc in pool.map(one, paths):
+        for name, wall, rc, runs in pool.map(one, paths):
             status = "ok" if rc == 0 else f"FAILED (exit {rc})"
             print(f"{name}: {status} in {wall:.0f} s", flush=True)
             if rc:
