@@ -8,6 +8,7 @@ Steps are 1-based: the first training step is t = 1.
 """
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -115,6 +116,18 @@ class Schedule:
         """Which fragments each replica m merges at t: `t = sent_at + τ_m` (Alg. 2, l.9)."""
         tau = jnp.asarray(self.overlap, dtype=t.dtype)[:, None]
         return (sent_at != NEVER)[None, :] & (t - sent_at[None, :] == tau)
+
+    def arriving(
+        self, t: Int[Array, ""], sent_at: Int[Array, " P"]
+    ) -> Bool[Array, " P"]:
+        """Which fragments some replica merges at t: `merge_due(t, sent_at)` reduced
+        over the replicas, computed without a replica axis (under a mesh that splits
+        the replicas, a reduction over them would be a collective)."""
+        age = t - sent_at
+        hit = functools.reduce(
+            jnp.logical_or, [age == tau for tau in sorted(set(self.overlap))]
+        )
+        return (sent_at != NEVER) & hit
 
 
 def make_schedule(

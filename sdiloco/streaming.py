@@ -349,7 +349,8 @@ def local_phase(
     spec: StreamingSpec, state: StreamingState, batch: Batch
 ) -> tuple[StreamingState, dict]:
     """The first half of a step, which needs nothing from other replicas: the inner
-    step and the sends (`inner_update`, `send`).
+    step and the sends (`inner_update`, `send`; the sends in a loop that runs only
+    when a fragment is due, `_gated`).
 
     Returns:
         The new state and what `sync_phase` needs to finish the step: the per-replica
@@ -358,7 +359,9 @@ def local_phase(
     """
     check_batch(batch, spec.num_replicas)
     state, losses, aux = inner_update(spec, state, batch)
-    state, sent = send(spec, state)
+    due = spec.schedule.sent(state.step)
+    idle = jnp.zeros_like(due)
+    state, sent = _gated(jnp.any(due), lambda s: send(spec, s), state, idle)
     local = {"loss/replicas": losses, "sync/sent": sent}
     local.update({f"replicas/aux/{k}": v for k, v in aux.items()})
     return state, local
@@ -367,15 +370,27 @@ def local_phase(
 def sync_phase(
     spec: StreamingSpec, state: StreamingState, local: dict
 ) -> tuple[StreamingState, Metrics]:
-    """The second half of a step: `receive`, `outer_update`, `merge_arrivals`, and
-    the step's metrics. A posted exchange's courier delivers the messages due at t
-    between the two halves, so they move while the inner step of t computes."""
+    """The second half of a step: `receive`, `outer_update`, `merge_arrivals` (in a
+    loop that runs only when something arrives, `_gated`), and the step's metrics.
+    A posted exchange's courier delivers the messages due at t between the two
+    halves, so they move while the inner step of t computes."""
     losses, sent = local["loss/replicas"], local["sync/sent"]
     prefix = "replicas/aux/"
     aux = {k.removeprefix(prefix): v for k, v in local.items() if k.startswith(prefix)}
-    state = receive(spec, state)
-    state, applied, failed = outer_update(spec, state)
-    state, merged = merge_arrivals(spec, state)
+
+    def sync(state):
+        state = receive(spec, state)
+        state, applied, failed = outer_update(spec, state)
+        return merge_arrivals(spec, state)[0], (applied, failed)
+
+    # A fragment received or stepped at t is merged at t by the replicas whose τ is
+    # τ_min, so a step where nobody merges has nothing else to do either. Which
+    # replicas merge is read off the schedule outside the loop (inside, XLA would
+    # split it over a mesh's replicas, and gather it back for the metrics).
+    merged = spec.schedule.merge_due(state.step, state.sent_at)
+    arriving = spec.schedule.arriving(state.step, state.sent_at)
+    idle = (jnp.zeros_like(sent), jnp.zeros_like(sent))
+    state, (applied, failed) = _gated(jnp.any(arriving), sync, state, idle)
     if spec.offload:  # the outputs stay in host memory
         state = state._replace(
             global_params=_to_host(state.global_params),
@@ -637,7 +652,8 @@ def merge_arrivals(
         new = v.isolated(compute, *touched, v.j, merging[:, v.p], keep[v.p])
         return v.group.scatter(r_leaves, v.j, new, axis=1)
 
-    r_leaves = layout.for_each(jnp.any(merging, axis=0), one, r_leaves, g_leaves)
+    arriving = spec.schedule.arriving(state.step, state.sent_at)
+    r_leaves = layout.for_each(arriving, one, r_leaves, g_leaves)
     r_arrays = jax.tree.unflatten(r_def, r_leaves)
     state = state._replace(replica_params=eqx.combine(r_arrays, r_static))
     return state, merging
@@ -706,6 +722,36 @@ def _check_options(alpha, nonfinite, compressor, error_feedback, fragments):
     if fragments is not None and not isinstance(fragments, Fragments):
         raise ValueError(f"fragments={fragments!r} is not a Fragments.")
     return compressor
+
+
+def _gated(
+    due: Bool[Array, ""],
+    fn: Callable[[StreamingState], tuple[StreamingState, Any]],
+    state: StreamingState,
+    idle: Any,
+) -> tuple[StreamingState, Any]:
+    """`fn(state)` if `due`, else `(state, idle)` (`fn` returns `(state, extra)`;
+    `idle` is the `extra` of a step where nothing is due).
+
+    A loop of 0 or 1 iteration, not a `lax.cond`: a while loop updates the state it
+    carries in place, where a conditional holding the parameters made XLA copy them
+    (`Layout.for_each`). Most steps sync nothing; they then run one loop condition
+    instead of the set-up of every group's loop in `send`, `outer_update` and
+    `merge_arrivals`. On the sync-heavy benchmark that was 41 XLA:CPU thunks
+    (770 in all instead of 811; the plain AdamW step has 713) and 0.55 ms of a
+    10 ms step (`benchmarks/compare_versions.py`). The barrier ties the body to the
+    iteration, so that XLA hoists none of it out of the loop.
+    """
+    dynamic, static = eqx.partition(state, eqx.is_array)
+
+    def body(_, carry):
+        dynamic = jax.lax.optimization_barrier(carry[0])
+        new, extra = fn(eqx.combine(dynamic, static))
+        return eqx.partition(new, eqx.is_array)[0], extra
+
+    count = due.astype(jnp.int32)
+    dynamic, extra = jax.lax.fori_loop(0, count, body, (dynamic, idle))
+    return eqx.combine(dynamic, static), extra
 
 
 def _to_host(tree: Any) -> Any:

@@ -36,7 +36,7 @@ def test_each_fragment_sent_once_per_period_and_arrives_tau_later(
     f = np.asarray(s.first_send)
     horizon = int(f.max()) + 3 * h
     sent_at = jnp.full((p,), NEVER, jnp.int32)
-    sends, outer, merges = [], [], []
+    sends, outer, merges, arriving = [], [], [], []
     sent_fn = jax.jit(s.sent)
     for t in range(1, horizon + 1):
         tt = jnp.int32(t)
@@ -45,7 +45,12 @@ def test_each_fragment_sent_once_per_period_and_arrives_tau_later(
         sends.append(sent)
         outer.append(np.asarray(s.outer_due(tt, sent_at)))
         merges.append(np.asarray(s.merge_due(tt, sent_at)))
-    sends, outer, merges = map(np.stack, (sends, outer, merges))
+        arriving.append(np.asarray(s.arriving(tt, sent_at)))
+    sends, outer, merges, arriving = map(np.stack, (sends, outer, merges, arriving))
+    # Some replica merges exactly when a fragment arrives; an outer step (which the
+    # step runs only when something arrives) is always at an arrival.
+    np.testing.assert_array_equal(arriving, merges.any(axis=1))
+    assert not np.any(outer & ~arriving)
     for q in range(p):
         steps = np.flatnonzero(sends[:, q]) + 1
         assert steps[0] == f[q] and np.all(np.diff(steps) == h)

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import sdiloco
+from sdiloco.base import JittedStep
 from sdiloco.communication import simulated_exchange
 from sdiloco.inflight import make_layout
 from sdiloco.schedule import make_schedule
@@ -227,6 +228,33 @@ def test_stochastic_compressor_needs_a_key():
     with pytest.raises(ValueError, match="key"):
         alg.init(params)
     alg.init(params, jr.key(0))  # with a key it builds
+
+
+def test_jitted_step_keeps_static_leaves_in_place_and_compiles_once_per_value():
+    traces = []
+
+    def fn(state, batch):
+        traces.append(state["scale"])
+        new = {"a": state["a"] * state["scale"] + batch, "name": state["name"] + "!"}
+        new["scale"] = state["scale"]
+        return new, {"sum": jnp.sum(new["a"]), "tag": state["name"]}
+
+    step = JittedStep(fn)
+    state = {"a": jnp.arange(3.0), "name": "x", "scale": 2.0}
+    new, metrics = step(state, jnp.ones(3))
+    assert state["a"].is_deleted()  # donated
+    # Non-array leaves are static: kept, passed to fn as Python values, rebuilt in
+    # place (the dict's keys sort "a" < "name" < "scale": one array between two).
+    np.testing.assert_array_equal(new["a"], [1.0, 3.0, 5.0])
+    assert new["name"] == "x!" and new["scale"] == 2.0 and metrics["tag"] == "x"
+    assert float(metrics["sum"]) == 9.0
+    step({"a": jnp.zeros(3), "name": "x", "scale": 2.0}, jnp.ones(3))
+    assert traces == [2.0]  # same structure and statics: no new trace
+    new, _ = step({"a": jnp.ones(3), "name": "x", "scale": 3.0}, jnp.ones(3))
+    assert traces == [2.0, 3.0]  # a new static value compiles again
+    np.testing.assert_array_equal(new["a"], [4.0, 4.0, 4.0])
+    text = step.lower({"a": jnp.ones(3), "name": "x", "scale": 3.0}, jnp.ones(3))
+    assert "multiply" in text.as_text()
 
 
 def test_jit_step_donates_the_state_and_takes_an_algorithm_or_a_step():

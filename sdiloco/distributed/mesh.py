@@ -49,7 +49,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array
 
-from ..base import AlgorithmState
+from ..base import AlgorithmState, JittedStep
 from ..custom_types import Batch
 
 
@@ -279,14 +279,14 @@ def sharded_step(
             `"replica"` at all; `Courier.host` adds the means back).
 
     Returns:
-        The jitted `step(state, batch) -> (state, metrics)` for sharded inputs; it has
-        `.lower(state, batch)` to read the compiled program.
+        The jitted `step(state, batch) -> (state, metrics)` for sharded inputs (a
+        `JittedStep`: `.lower(state, batch)` gives the program).
     """
     if metrics not in ("replicated", "local"):
         raise ValueError(f"metrics={metrics!r}; allowed: 'replicated' or 'local'.")
     whole = NamedSharding(mesh, PartitionSpec())
 
-    def constrained(batch, state):
+    def constrained(state, batch):
         new_state, out = step(state, batch)
         shardings = state_shardings(new_state, mesh, fsdp=fsdp)
         new_state = jax.tree.map(
@@ -300,7 +300,7 @@ def sharded_step(
         out = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, whole), out)
         return new_state, out
 
-    return _Step(eqx.filter_jit(constrained, donate="all-except-first"))
+    return JittedStep(constrained)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -317,43 +317,6 @@ def _local_metrics(metrics: dict, mesh: Mesh) -> dict:
         per_replica = k == "loss/replicas" or k.startswith("replicas/")
         out[k] = jax.lax.with_sharding_constraint(v, split if per_replica else whole)
     return out
-
-
-class _Step:
-    """`step(state, batch)` over a jitted `f(batch, state)` (the state is donated)."""
-
-    def __init__(self, jitted):
-        self.jitted = jitted
-
-    def __call__(self, state, batch):
-        return self.jitted(batch, state)
-
-    def lower(self, state, batch) -> "_Lowered":
-        return _Lowered(self.jitted.lower(batch, state))
-
-
-class _Lowered:
-    def __init__(self, lowered):
-        self.lowered = lowered
-
-    def compile(self) -> "_Compiled":
-        return _Compiled(self.lowered.compile())
-
-
-class _Compiled:
-    """A compiled step: `compiled(state, batch)`; `as_text()` is its XLA program."""
-
-    def __init__(self, compiled):
-        self.compiled = compiled
-
-    def __call__(self, state, batch):
-        return self.compiled(batch, state)
-
-    def as_text(self) -> str:
-        return self.compiled.compiled.as_text()
-
-    def memory_analysis(self) -> Any:
-        return self.compiled.compiled.memory_analysis()
 
 
 def _is_pos_int(x: Any) -> bool:
