@@ -632,25 +632,19 @@ def merge_arrivals(
     layout = spec.layout_of(eqx.filter(state.global_params, eqx.is_inexact_array))
 
     def one(v, g_leaves, r_leaves):
-        def compute(r_touched, g_touched, j, due, ok):
-            g, r = _read_pieces(spec, v.group, g_touched, r_touched, j)
-            return [
-                merge(
-                    x,
-                    y,
-                    due.reshape((-1,) + (1,) * y.ndim),
-                    ok.reshape((1,) * y.ndim),
-                    spec.alpha,
-                )
-                for x, y in zip(r, g)
-            ]
+        due, ok = merging[:, v.p], keep[v.p]
 
-        touched = (
-            [r_leaves[i] for i in v.group.leaves],
-            [g_leaves[i] for i in v.group.leaves],
-        )
-        new = v.isolated(compute, *touched, v.j, merging[:, v.p], keep[v.p])
-        return v.group.scatter(r_leaves, v.j, new, axis=1)
+        def mix(r, g):  # a piece, or a row of one, of every replica and of θ_g
+            shape = (-1,) + (1,) * g.ndim
+            g = spec.fetch(g)
+            return merge(r, g, due.reshape(shape), ok.reshape(shape[1:]), spec.alpha)
+
+        r_leaves, unknown_zero = list(r_leaves), (~v.live).astype(jnp.int32)
+        for k, i in enumerate(v.group.leaves):
+            r_leaves[i] = v.group.update_one(
+                k, r_leaves[i], v.j, mix, (g_leaves[i],), (1, 0), unknown_zero
+            )
+        return r_leaves
 
     arriving = spec.schedule.arriving(state.step, state.sent_at)
     r_leaves = layout.for_each(arriving, one, r_leaves, g_leaves)
