@@ -232,6 +232,57 @@ class Layout:
         row = group.flatten(pieces).astype(slots.dtype)[None]
         return jax.lax.dynamic_update_slice(slots, row, (k, 0 * k))
 
+    def write_rows(
+        self,
+        slots: Array,
+        group: Group,
+        p: Int[ArrayLike, ""],
+        j: Int[ArrayLike, ""],
+        fn: Callable[..., Array],
+        sources: tuple[list[Array], ...],
+        axes: tuple[int, ...],
+    ) -> Array:
+        """`slots` with fragment p's slot set to `fn` of its pieces of `sources`, for
+        an elementwise `fn`: `write(slots, group, p, fn(*pieces))` computed piece by
+        piece, and row by row for a piece of at most `ROW_BY_ROW` rows.
+
+        Each source is a list of the touched leaves (`axes`: the row axis of each).
+        XLA fuses each row's read, `fn` and write into one in-place update of the
+        slot, where `write` copies in a result computed before (the float32 send
+        of a 0.5M-value fragment of 2 replicas on XLA:CPU, in the profiler: 0.95 ms
+        instead of 1.58, of which 0.29 is the finiteness check).
+        """
+        k = jnp.asarray(self.slot_of)[p]
+        start = 0
+        for t, shape in enumerate(group.shapes):
+            rows = group.rows[t]
+            leaves = [source[t] for source in sources]
+            if rows is None or rows.shape[1] > ROW_BY_ROW:
+                pieces = [
+                    group.gather_one(t, x, j, axis) for x, axis in zip(leaves, axes)
+                ]
+                parts = [(start, fn(*pieces))]
+            else:
+                table = jnp.asarray(rows)[j]
+                per = int(np.prod(shape[1:], dtype=np.int64))
+                parts = [
+                    (
+                        start + r * per,
+                        fn(
+                            *[
+                                jax.lax.dynamic_index_in_dim(x, table[r], axis, False)
+                                for x, axis in zip(leaves, axes)
+                            ]
+                        ),
+                    )
+                    for r in range(rows.shape[1])
+                ]
+            for offset, value in parts:
+                row = value.reshape(1, -1).astype(slots.dtype)
+                slots = jax.lax.dynamic_update_slice(slots, row, (k, 0 * k + offset))
+            start += int(np.prod(shape, dtype=np.int64))
+        return slots
+
     def for_each(
         self,
         selected: Bool[Array, " P"],

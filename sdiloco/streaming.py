@@ -456,6 +456,18 @@ def send(
     r_leaves = _leaves(state.replica_params)
     layout = spec.layout_of(eqx.filter(state.global_params, eqx.is_inexact_array))
 
+    # Without a compressor the simulated exchange is elementwise: the mean over
+    # replicas of Δ_m, computed where it is stored.
+    elementwise = (
+        spec.compressor is None
+        and spec.exchange is communication.simulated_exchange
+        and not spec.error_feedback
+    )
+
+    def mean_delta(g, r):  # a piece (or a row of one) of θ_g and of every replica
+        deltas = communication.outer_gradients([spec.fetch(g)], [r])
+        return communication.average(deltas)[0]
+
     def one(v, inputs, carry):
         g_leaves, r_leaves = inputs
         slots, ok, residual, outbox = carry
@@ -491,6 +503,15 @@ def send(
             [g_leaves[i] for i in v.group.leaves],
             [r_leaves[i] for i in v.group.leaves],
         )
+        if elementwise:  # Δ̄ written into the slot row by row, in place
+            slots = layout.write_rows(
+                slots, v.group, v.p, v.j, mean_delta, touched, (0, 1)
+            )
+            # Read back from the slot (the values are no longer anywhere else);
+            # `isfinite`, as `_finite`'s sum would first copy the slot's row out.
+            row = layout.read(slots, v.group, v.p)
+            finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in row]))
+            return slots, ok.at[v.p].set(finite), residual, outbox
         out, finite, errors = v.isolated(compute, *touched, v.j, e, key)
         if spec.posted:
             k = jnp.asarray(layout.slot_of)[v.p]
