@@ -12,12 +12,18 @@ the sync-heavy workload of `sync_heavy.py` (a ~1M-parameter stacked MLP, M = 2,
 H = 20, 2 fragments), compiled with `sdiloco.jit_step`, and every kind of step is
 timed in turn in each round: a plain vmapped AdamW step, and for each version an
 inner-only step, a send and an arrival of each fragment, on crafted states
-(`sync_cost.crafted_states`; each call gets a fresh copy, as the state is donated).
+(`sync_cost.crafted_states`; each call gets a fresh copy, as the state is donated),
+in a random order.
 It prints, per version, the extra time of each kind (the inner-only step over the
 plain one, the others over the inner-only step), and the medians of the paired
 differences new − old; and whether the two versions' states are bitwise equal after
 3H steps from the same start (a change meant to be bitwise neutral must print
 `True`).
+
+Then, as `sync_heavy.py` does for one version, whole periods (H steps from the
+run's own state, not blocked between steps, so that dispatch overlaps as in
+training) of the plain program and of each version, in a random order, `--periods`
+rounds: plain ÷ each version (median over rounds) and the paired new − old.
 """
 
 import argparse
@@ -69,6 +75,7 @@ def main() -> None:
     parser.add_argument("new", help="the new version's package directory")
     parser.add_argument("--compressor", default=None, help="e.g. e3m0 (float32)")
     parser.add_argument("--rounds", type=int, default=60)
+    parser.add_argument("--periods", type=int, default=30, help="rounds of periods")
     args = parser.parse_args()
     print(_common.machine())
     versions = {
@@ -82,6 +89,7 @@ def main() -> None:
     batch = {"x": x, "y": jnp.sin(x.sum(-1))}
 
     programs = {"plain": plain_program(params, inner, m)}
+    runs = {"plain": list(programs["plain"])}  # name: [step, state] of whole periods
     finals = {}
     for name, lib in versions.items():
         labels = {"embed": 0, "head": 0, "blocks": np.arange(layers) % 2}
@@ -100,6 +108,7 @@ def main() -> None:
         states = crafted_states(state, alg.spec.schedule.first_send, h)
         for label, key in KINDS.items():
             programs[f"{name} {label}"] = (step, states[key])
+        runs[name] = [step, state]
 
     def fresh(state):
         return jax.block_until_ready(
@@ -108,8 +117,10 @@ def main() -> None:
 
     names = list(programs)
     times = {k: [] for k in names}
+    rng = np.random.default_rng(0)
     for r in range(args.rounds + 1):  # round 0 warms up
-        for k in names[r % len(names) :] + names[: r % len(names)]:
+        # A new order each round: no kind always follows the same one.
+        for k in rng.permutation(names):
             step, state = programs[k]
             state = fresh(state)
             start = time.perf_counter()
@@ -135,6 +146,34 @@ def main() -> None:
         )
     equal = all(np.array_equal(a, b) for a, b in zip(finals["old"], finals["new"]))
     print(f"\nstates after {3 * h} steps bitwise equal: {equal}")
+
+    xs = jr.normal(jr.key(3), (h, m, 4, 32))
+    period = [{"x": x, "y": jnp.sin(x.sum(-1))} for x in xs]
+
+    def one_period(name: str) -> float:
+        step, state = runs[name]
+        start = time.perf_counter()
+        for b in period:
+            state, _ = step(state, b)
+        jax.block_until_ready(state)
+        runs[name][1] = state
+        return time.perf_counter() - start
+
+    names = list(runs)
+    spans = {k: [] for k in names}
+    for r in range(args.periods + 1):  # round 0 warms up
+        for k in rng.permutation(names):
+            took = one_period(k)
+            if r:
+                spans[k].append(took)
+    spans = {k: np.asarray(v) for k, v in spans.items()}
+    ratios = {v: np.median(spans["plain"] / spans[v]) for v in versions}
+    paired = np.median(spans["new"] - spans["old"]) * 1e3
+    print(
+        f"whole periods ({h} steps), {args.periods} rounds: plain ÷ old "
+        f"{ratios['old']:.3f}, plain ÷ new {ratios['new']:.3f}; new − old "
+        f"{paired:+.1f} ms per period (plain period {np.median(spans['plain']) * 1e3:.1f} ms)"
+    )
     print(f"at the end: {_common.machine()}")
 
 

@@ -16,7 +16,9 @@ whose dispatch is in C++ (through `eqx.filter_jit` its step was 0.34 ms slower).
 Timing. On a shared machine the speed of a core drifts by tens of percent over
 seconds, more than the few percent measured here, so the programs are interleaved
 finely: a round runs one *period* (H steps: every fragment sends once and arrives
-once) of each program, in a rotated order, each timed to the end of its period. A
+once) of each program, in a new random order each round (with a fixed rotation one
+program always followed the plain one, which in `compare_versions` cost the step
+after it up to 7 ms), each timed to the end of its period. A
 round's ratio is the plain period's time over the program's (1.0: syncs are free);
 the median over rounds is the result, the interquartile range its spread, and the
 ratio of the summed times is printed beside it.
@@ -89,8 +91,9 @@ def main() -> None:
         one_period(name)
         one_period(name)
     times = {k: [] for k in names}
-    for r in range(args.rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
+    rng = np.random.default_rng(0)
+    for _ in range(args.rounds):
+        for name in rng.permutation(names):
             times[name].append(one_period(name))
     plain = np.asarray(times["plain"])
     step = float(np.median(plain)) / h
