@@ -45,6 +45,55 @@ def test_slots_never_shared_while_in_flight(h, p, taus, offsets, default):
         assert len({int(slot_of[q]) for q in holders}) == len(holders)
 
 
+@settings(max_examples=15, deadline=None)
+@given(
+    layers=st.sampled_from([1, 3, 8, 70]),  # 70 > ROW_BY_ROW: one gather and scatter
+    p=st.integers(1, 4),
+    seed=st.integers(0, 2**16),
+)
+def test_rows_updated_and_written_in_place_match_numpy(layers, p, seed):
+    """`Group.update_one` (the merge's in-place rows) and `Layout.write_rows` (the
+    float32 send's) against NumPy indexing, for random labels of a stacked leaf
+    beside a whole leaf of fragment 0."""
+    rng = np.random.default_rng(seed)
+    m = 2
+    params = {"w": jnp.zeros((layers, 3)), "b": jnp.zeros((2,))}
+    used = np.unique(rng.integers(0, p, layers), return_inverse=True)[1]  # no gaps
+    labels = {"w": used.astype(np.int32), "b": 0}
+    frags = sdiloco.fragments_from_labels(params, labels)
+    layout = make_layout(frags, make_schedule(8, frags.num_fragments, m, 1))
+    g = [rng.normal(size=(2,)), rng.normal(size=(layers, 3))]  # leaves: b, w
+    r = [rng.normal(size=(m,) + x.shape) for x in g]
+
+    def fn(replica, global_):  # elementwise, broadcasting θ_g over the replicas
+        return 0.5 * replica - 2.0 * global_[None]
+
+    for q in range(frags.num_fragments):
+        group = layout.groups[layout.group_of[q]]
+        j = int(layout.index_in_group[q])
+        rows = [np.arange(2), np.flatnonzero(labels["w"] == q)]
+        expected_pieces = []
+        for k, i in enumerate(group.leaves):
+            got = group.update_one(
+                k, jnp.asarray(r[i]), j, fn, (jnp.asarray(g[i]),), (1, 0), 0
+            )
+            want = r[i].copy()
+            want[:, rows[i]] = fn(r[i][:, rows[i]], g[i][rows[i]])
+            np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-6)
+            expected_pieces.append((g[i][rows[i]] - r[i][:, rows[i]]).mean(0))
+        slots = jnp.full((layout.num_slots, layout.slot_size), jnp.nan)
+        sources = tuple([jnp.asarray(x[i]) for i in group.leaves] for x in (g, r))
+        slots = layout.write_rows(
+            slots, group, q, j, lambda a, b: (a[None] - b).mean(0), sources, (0, 1)
+        )
+        k = int(layout.slot_of[q])
+        want = np.concatenate([x.reshape(-1) for x in expected_pieces])
+        np.testing.assert_allclose(
+            np.asarray(slots[k, : want.size]), want, rtol=1e-6, atol=1e-6
+        )
+        assert np.isnan(np.asarray(slots[k, want.size :])).all()  # nothing else
+
+
 def test_default_schedule_needs_one_slot():
     # f_p = H + round(pH/P): sends H/P apart, so with τ < H/P one slot suffices.
     for h, p, tau in ((100, 8, 1), (20, 3, 1), (30, 1, 0), (12, 4, 2)):
