@@ -47,10 +47,11 @@ def fragment_outer_step(
     p: Int[Array, ""],
     params: Params,
     state: optax.OptState,
-    outer_grad: list[Array],
+    outer_grad: list[Array] | Any,
     fetch: Callable[[Array], Array] = lambda x: x,
     store: Callable[[Array], Array] = lambda x: x,
     isolated: Callable[..., Any] = lambda compute, *operands: compute(*operands),
+    read_grad: Callable[[Any], list[Array]] = lambda pieces: pieces,
 ) -> tuple[Params, optax.OptState]:
     """One outer step of fragment p on its elements only (Alg. 2, l.11).
 
@@ -66,13 +67,17 @@ def fragment_outer_step(
         p: the fragment (traced).
         params: the global parameters θ_g (inexact arrays only).
         state: the per-fragment outer state from `outer_init`.
-        outer_grad: the averaged outer gradient Δ̄ of the fragment, as its pieces.
+        outer_grad: the averaged outer gradient Δ̄ of the fragment: its pieces, or
+            what `read_grad` turns into them inside `isolated` (e.g. the in-flight
+            buffer, so that XLA fuses the read into the update instead of writing
+            the pieces out first).
         fetch: applied to every piece read from `params` and `state` (e.g. a move
             from host memory to the device, when they are offloaded).
         store: applied to every piece before it is written back (e.g. the move back).
         isolated: `isolated(compute, *operands)` runs the update, which is given
             the touched leaves whole and gathers the fragment's pieces itself
             (`inflight.Visit.isolated` inside `Layout.for_each`; by default a call).
+        read_grad: the pieces of Δ̄ from `outer_grad` (by default the identity).
 
     Returns:
         The new global parameters and outer state.
@@ -96,6 +101,7 @@ def fragment_outer_step(
         return jnp.zeros((0,), x.dtype)
 
     def update(touched, s_touched, outer_grad, j):
+        outer_grad = read_grad(outer_grad)
         pieces = [
             piece(touched[position[i]] if i in position else x, i, j)
             for i, x in enumerate(leaves)

@@ -609,17 +609,17 @@ def outer_update(
     layout = spec.layout_of(g_arrays)
 
     def one(v, inflight, carry):
-        grad = layout.read(inflight, v.group, v.p)
         return fragment_outer_step(
             spec.outer,
             v.group,
             v.j,
             v.p,
             *carry,
-            grad,
+            inflight,  # read inside the update: XLA fuses the read into it
             spec.fetch,
             spec.store,
             v.isolated,
+            read_grad=lambda slots: layout.read(slots, v.group, v.p),
         )
 
     g_arrays, outer_state = layout.for_each(
