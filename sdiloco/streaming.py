@@ -795,8 +795,8 @@ def _read_pieces(
 
 
 def _finite(values: list[Array]) -> Array:
-    # x * 0 is 0 where x is finite and NaN where it is not; the sum cannot overflow.
-    return jnp.isfinite(sum(jnp.sum(v * jnp.zeros((), v.dtype)) for v in values))
+    # x - x is 0 where x is finite and NaN where it is not; the sum cannot overflow.
+    return jnp.isfinite(sum(jnp.sum(v - v) for v in values))
 
 
 def _deltas_like(spec: StreamingSpec, group: Any, leaves: list[Array]) -> list[Any]:
