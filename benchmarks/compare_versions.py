@@ -42,7 +42,7 @@ import optax
 from benchmarks import _common
 from benchmarks.fragment_cost import loss_fn, stacked_mlp
 from benchmarks.sync_cost import crafted_states
-from benchmarks.sync_heavy import plain_program
+from benchmarks.sync_heavy import plain_program, run_period
 
 
 KINDS = {
@@ -89,7 +89,7 @@ def main() -> None:
     batch = {"x": x, "y": jnp.sin(x.sum(-1))}
 
     programs = {"plain": plain_program(params, inner, m)}
-    runs = {"plain": list(programs["plain"])}  # name: [step, state] of whole periods
+    runs = {"plain": programs["plain"]}  # name: (step, state) of whole periods
     finals = {}
     for name, lib in versions.items():
         labels = {"embed": 0, "head": 0, "blocks": np.arange(layers) % 2}
@@ -108,7 +108,7 @@ def main() -> None:
         states = crafted_states(state, alg.spec.schedule.first_send, h)
         for label, key in KINDS.items():
             programs[f"{name} {label}"] = (step, states[key])
-        runs[name] = [step, state]
+        runs[name] = (step, state)
 
     def fresh(state):
         return jax.block_until_ready(
@@ -150,20 +150,11 @@ def main() -> None:
     xs = jr.normal(jr.key(3), (h, m, 4, 32))
     period = [{"x": x, "y": jnp.sin(x.sum(-1))} for x in xs]
 
-    def one_period(name: str) -> float:
-        step, state = runs[name]
-        start = time.perf_counter()
-        for b in period:
-            state, _ = step(state, b)
-        jax.block_until_ready(state)
-        runs[name][1] = state
-        return time.perf_counter() - start
-
     names = list(runs)
     spans = {k: [] for k in names}
     for r in range(args.periods + 1):  # round 0 warms up
         for k in rng.permutation(names):
-            took = one_period(k)
+            took = run_period(runs, k, period)
             if r:
                 spans[k].append(took)
     spans = {k: np.asarray(v) for k, v in spans.items()}

@@ -78,13 +78,7 @@ def main() -> None:
         programs[name] = (sdiloco.jit_step(alg), alg.init(params))
 
     def one_period(name: str) -> float:
-        step, state = programs[name]
-        start = time.perf_counter()
-        for b in period:
-            state, _ = step(state, b)
-        jax.block_until_ready(state)
-        programs[name] = (step, state)
-        return time.perf_counter() - start
+        return run_period(programs, name, period)
 
     names = list(programs)
     for name in names:  # warm-up: compile, and past the first sends and arrivals
@@ -118,6 +112,18 @@ def main() -> None:
             flush=True,
         )
     print(f"at the end: {_common.machine()}")
+
+
+def run_period(programs: dict, name: str, period: list) -> float:
+    """Seconds to run `programs[name]`, a `(step, state)` pair, over `period` (one
+    batch per step), blocked only at the end; the pair keeps the new state."""
+    step, state = programs[name]
+    start = time.perf_counter()
+    for b in period:
+        state, _ = step(state, b)
+    jax.block_until_ready(state)
+    programs[name] = (step, state)
+    return time.perf_counter() - start
 
 
 def plain_program(params, inner: optax.GradientTransformation, m: int):
