@@ -167,11 +167,7 @@ class Group:
             return self.scatter_one(k, x, j, fn(*pieces), axes[0])
         table = jnp.asarray(rows)[j] + unknown_zero
         for r in range(rows.shape[1]):
-            row = [
-                jax.lax.dynamic_index_in_dim(a, table[r], axis, keepdims=False)
-                for a, axis in zip((x,) + others, axes)
-            ]
-            new = fn(*row).astype(x.dtype)
+            new = fn(*_rows((x,) + others, axes, table[r])).astype(x.dtype)
             x = jax.lax.dynamic_update_index_in_dim(x, new, table[r], axes[0])
         return x
 
@@ -266,15 +262,7 @@ class Layout:
                 table = jnp.asarray(rows)[j]
                 per = int(np.prod(shape[1:], dtype=np.int64))
                 parts = [
-                    (
-                        start + r * per,
-                        fn(
-                            *[
-                                jax.lax.dynamic_index_in_dim(x, table[r], axis, False)
-                                for x, axis in zip(leaves, axes)
-                            ]
-                        ),
-                    )
+                    (start + r * per, fn(*_rows(leaves, axes, table[r])))
                     for r in range(rows.shape[1])
                 ]
             for offset, value in parts:
@@ -382,6 +370,14 @@ contiguous slice of several rows made it copy the whole leaf. It is read the sam
 unless the read is `fused` (inside `Visit.isolated`) and the rows are strided or
 contiguous (one slice, fused into its consumer). More rows use one slice or gather,
 keeping the program small."""
+
+
+def _rows(arrays, axes, index: Int[ArrayLike, ""]) -> list[Array]:
+    """Row `index` of each array, taken along its axis in `axes`."""
+    return [
+        jax.lax.dynamic_index_in_dim(x, index, axis, keepdims=False)
+        for x, axis in zip(arrays, axes)
+    ]
 
 
 def _progression(rows: np.ndarray, length: int) -> tuple[np.ndarray, int | None]:
