@@ -1,7 +1,7 @@
 """Throughput on a sync-heavy workload: Streaming DiLoCo against M plain optax models.
 
-Usage: `python -m benchmarks.sync_heavy [--rounds 40] [--layers 16] [--dim 256]
-[--batch 4]`
+Usage: `python -m benchmarks.sync_heavy [--rounds 60] [--builds 2] [--layers 16]
+[--dim 256] [--batch 4]`
 
 The workload where synchronisation costs the most relative to compute: a ~1M-parameter
 stacked MLP (`fragment_cost.stacked_mlp`), M = 2, a small batch, H = 20 and 2
@@ -18,10 +18,14 @@ seconds, more than the few percent measured here, so the programs are interleave
 finely: a round runs one *period* (H steps: every fragment sends once and arrives
 once) of each program, in a new random order each round (with a fixed rotation one
 program always followed the plain one, which in `compare_versions` cost the step
-after it up to 7 ms), each timed to the end of its period. A
-round's ratio is the plain period's time over the program's (1.0: syncs are free);
-the median over rounds is the result, the interquartile range its spread, and the
-ratio of the summed times is printed beside it.
+after it up to 7 ms), each timed to the end of its period. Every program is also
+built `--builds` times (its own jitted step and state): two builds of one program
+differ by where their code and buffers land, and a single plain build read 0.974
+against its twin over 40 rounds. A round's time of a program is the mean over its
+builds, its ratio the plain time over the program's (1.0: syncs are free); the median
+over rounds is the result, the interquartile range its spread, and the ratio of the
+summed times is printed beside it. The first line of results, plain build 1 ÷ plain
+build 2 (two identical programs), is the resolution of the measurement.
 
 It also times the floor of a sync: the same arithmetic on contiguous arrays of one
 fragment's size, with no gathers, loops or branches (a send: Δ of M replicas,
@@ -32,6 +36,7 @@ replicas), and prints the best ratio any implementation doing that work could re
 
 import argparse
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -50,7 +55,8 @@ COMPRESSORS = {"float32": None, "e3m0": "e3m0"}
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--rounds", type=int, default=60)
+    parser.add_argument("--builds", type=int, default=2, help="builds per program")
     parser.add_argument("--batch", type=int, default=4, help="examples per replica")
     parser.add_argument("--layers", type=int, default=16, help="blocks (even)")
     parser.add_argument("--dim", type=int, default=256, help="block width")
@@ -65,40 +71,60 @@ def main() -> None:
     xs = jr.normal(jr.key(1), (h, m, args.batch, 32))
     period = [{"x": x, "y": jnp.sin(x.sum(-1))} for x in xs]
 
-    programs = {"plain": plain_program(params, inner, m)}
-    for name, compressor in COMPRESSORS.items():
-        alg = sdiloco.streaming_diloco(
-            loss_fn,
-            inner=inner,
-            num_replicas=m,
-            sync_every=h,
-            fragments=frags,
-            compressor=compressor,
-        )
-        programs[name] = (sdiloco.jit_step(alg), alg.init(params))
+    programs = {}  # (name, build): (step, state)
+    for b in range(args.builds):
+        programs["plain", b] = plain_program(params, inner, m)
+        for name, compressor in COMPRESSORS.items():
+            alg = sdiloco.streaming_diloco(
+                loss_fn,
+                inner=inner,
+                num_replicas=m,
+                sync_every=h,
+                fragments=frags,
+                compressor=compressor,
+            )
+            programs[name, b] = (sdiloco.jit_step(alg), alg.init(params))
 
-    def one_period(name: str) -> float:
-        return run_period(programs, name, period)
-
-    names = list(programs)
-    for name in names:  # warm-up: compile, and past the first sends and arrivals
-        one_period(name)
-        one_period(name)
-    times = {k: [] for k in names}
+    runs = list(programs)
+    for run in runs:  # warm-up: compile, and past the first sends and arrivals
+        run_period(programs, run, period)
+        run_period(programs, run, period)
+    times = {run: [] for run in runs}
     rng = np.random.default_rng(0)
     for _ in range(args.rounds):
-        for name in rng.permutation(names):
-            times[name].append(one_period(name))
-    plain = np.asarray(times["plain"])
+        for i in rng.permutation(len(runs)):
+            times[runs[i]].append(run_period(programs, runs[i], period))
+
+    def mean_time(name):  # [rounds], the mean over the program's builds
+        return np.mean([times[name, b] for b in range(args.builds)], axis=0)
+
+    plain = mean_time("plain")
     step = float(np.median(plain)) / h
     print(
-        f"{args.rounds} rounds of one period ({h} steps) per program, interleaved; "
-        f"plain step median {step * 1e3:.2f} ms "
+        f"{args.rounds} rounds of one period ({h} steps) per build, {args.builds} "
+        f"builds per program, interleaved; plain step median {step * 1e3:.2f} ms "
         f"(range {plain.min() / h * 1e3:.2f}-{plain.max() / h * 1e3:.2f})"
     )
+    medians = {
+        name: "/".join(
+            f"{np.median(times[name, b]) / h * 1e3:.2f}" for b in range(args.builds)
+        )
+        for name in ("plain", *COMPRESSORS)
+    }
+    print(
+        "step medians (ms) of each build: "
+        + ", ".join(f"{name} {v}" for name, v in medians.items())
+    )
+    if args.builds > 1:
+        twin = np.asarray(times["plain", 0]) / np.asarray(times["plain", 1])
+        q1, q3 = np.percentile(twin, [25, 75])
+        print(
+            f"plain build 1 ÷ plain build 2 (identical programs: the resolution): "
+            f"median {np.median(twin):.3f} (interquartile {q1:.3f}-{q3:.3f})"
+        )
     n = int(frags.sizes()[1])
     for name in COMPRESSORS:
-        t = np.asarray(times[name])
+        t = mean_time(name)
         ratio = plain / t
         q1, q3 = np.percentile(ratio, [25, 75])
         send, arrive = sync_floor(m, n, COMPRESSORS[name])
@@ -114,7 +140,7 @@ def main() -> None:
     print(f"at the end: {_common.machine()}")
 
 
-def run_period(programs: dict, name: str, period: list) -> float:
+def run_period(programs: dict, name: Any, period: list) -> float:
     """Seconds to run `programs[name]`, a `(step, state)` pair, over `period` (one
     batch per step), blocked only at the end; the pair keeps the new state."""
     step, state = programs[name]
