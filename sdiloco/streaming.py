@@ -54,9 +54,9 @@ from .base import Algorithm, Exchange, PostedExchange
 from .compression import Compressor, quantizer
 from .custom_types import Batch, Metrics, Params, Replicated
 from .fragments import Fragments, check_matches, single_fragment
-from .inflight import Layout, make_layout
+from .inflight import ROW_BY_ROW, Layout, make_layout
 from .inner import check_batch, inner_steps, replicate
-from .outer import fragment_outer_step, merge, outer_init
+from .outer import fragment_outer_step, is_elementwise, merge, outer_init
 from .schedule import NEVER, Schedule, make_schedule
 
 
@@ -607,8 +607,15 @@ def outer_update(
             g_arrays, jnp.any(failed), "non-finite outer gradient (nonfinite='raise')"
         )
     layout = spec.layout_of(g_arrays)
+    # An elementwise outer optimizer takes the step a row at a time, in place.
+    elementwise = is_elementwise(spec.outer, g_arrays, state.outer_state)
 
     def one(v, inflight, carry):
+        in_place = None
+        if elementwise and all(
+            r is None or r.shape[1] <= ROW_BY_ROW for r in v.group.rows
+        ):
+            in_place = (~v.live).astype(jnp.int32)
         return fragment_outer_step(
             spec.outer,
             v.group,
@@ -620,6 +627,7 @@ def outer_update(
             spec.store,
             v.isolated,
             read_grad=lambda slots: layout.read(slots, v.group, v.p),
+            in_place=in_place,
         )
 
     g_arrays, outer_state = layout.for_each(
