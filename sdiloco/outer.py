@@ -207,7 +207,10 @@ def is_elementwise(
     operation on an array must be in `_ELEMENTWISE` (or a broadcast of a scalar, or
     a call whose own jaxpr passes), with operands shaped like its result or scalar.
     A reduction, a matrix product, a reshape or an index makes it False, as does
-    anything unknown: e.g. a clip by global norm.
+    anything unknown: e.g. a clip by global norm. So does an update that depends on
+    a parameter's shape (a scale by its size, a branch on its rank): it is traced a
+    second time with every parameter a scalar, and the two traces must run the same
+    operations on the same constants.
 
     Args:
         outer: the outer optimizer.
@@ -217,11 +220,18 @@ def is_elementwise(
     leaves, treedef = jax.tree.flatten(params)
     param_index = _param_index(outer, params, state)
     s_leaves, s_def = jax.tree.flatten(state)
-    like = [jax.ShapeDtypeStruct(jnp.shape(x), x.dtype) for x in leaves]
-    s_like = [
-        jax.ShapeDtypeStruct(jnp.shape(x)[1:] if i < 0 else jnp.shape(x), x.dtype)
-        for x, i in zip(s_leaves, param_index)
-    ]
+
+    def shapes(scalar):  # the update's arguments: real shapes, or params as scalars
+        like = [
+            jax.ShapeDtypeStruct(() if scalar else x.shape, x.dtype) for x in leaves
+        ]
+        s_like = [
+            jax.ShapeDtypeStruct(
+                x.shape[1:] if i < 0 else () if scalar else x.shape, x.dtype
+            )
+            for x, i in zip(s_leaves, param_index)
+        ]
+        return like, s_like, like
 
     def update(grads, s, params):
         updates, new = outer.update(
@@ -232,8 +242,11 @@ def is_elementwise(
         return jax.tree.leaves(updates), jax.tree.leaves(new)
 
     try:
-        closed = jax.make_jaxpr(update)(like, s_like, like)
+        closed = jax.make_jaxpr(update)(*shapes(False))
+        scalar = jax.make_jaxpr(update)(*shapes(True))
     except Exception:  # noqa: BLE001 - not traceable on shapes alone: not known safe
+        return False
+    if _operations(closed.jaxpr) != _operations(scalar.jaxpr):
         return False
     n = len(leaves)
     origin = [frozenset({i}) for i in range(n)]
@@ -289,6 +302,22 @@ def _origins(jaxpr: Any, inputs: list[frozenset]) -> list[frozenset] | None:
             return None
         env.update(zip(eqn.outvars, outs))
     return [read(v) for v in jaxpr.outvars]
+
+
+def _operations(jaxpr: Any) -> list:
+    """The primitives of `jaxpr` in order, with their literal operands (sub-jaxprs
+    inlined, shapes left out), to tell whether two traces compute alike."""
+    out: list = []
+    for eqn in jaxpr.eqns:
+        literals = tuple(
+            repr(v.val) if isinstance(v, Literal) else None for v in eqn.invars
+        )
+        out.append((eqn.primitive.name, literals))
+        sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+        sub = getattr(sub, "jaxpr", sub)
+        if sub is not None and hasattr(sub, "eqns"):
+            out.extend(_operations(sub))
+    return out
 
 
 def _step_in_place(

@@ -215,6 +215,19 @@ def test_is_elementwise_tells_reductions_and_factored_state_apart(outer, expecte
     assert is_elementwise(outer, params, outer_init(outer, params, 3)) is expected
 
 
+def test_is_elementwise_rejects_an_update_that_reads_the_shape():
+    """Elementwise operations with a constant taken from the parameter's shape (a
+    scale by 1/size, as fan-in scalings do) give other numbers on a row than on the
+    whole parameter: not elementwise."""
+
+    def by_size():
+        return optax.stateless(lambda g, p: jax.tree.map(lambda x: x / x.size, g))
+
+    params = {"w": jnp.ones((4, 3)), "s": jnp.ones((2, 3, 3))}
+    for outer, expected in ((by_size(), False), (optax.sgd(0.1), True)):
+        assert is_elementwise(outer, params, outer_init(outer, params, 2)) is expected
+
+
 @given(alpha=st.sampled_from([0.0, 0.25, 0.5, 1.0]), seed=st.integers(0, 2**16))
 @settings(max_examples=12)
 def test_merge_properties(alpha, seed):
