@@ -23,7 +23,7 @@ from jax.extend.core import Literal
 from jaxtyping import Array, ArrayLike, Bool, Int
 
 from .custom_types import Params
-from .inflight import Group
+from .inflight import ROW_BY_ROW, Group
 
 
 def outer_init(
@@ -81,10 +81,11 @@ def fragment_outer_step(
             (`inflight.Visit.isolated` inside `Layout.for_each`; by default a call).
         read_grad: the pieces of Δ̄ from `outer_grad` (by default the identity).
         in_place: for an elementwise outer optimizer (`is_elementwise`; the caller
-            checks) whose stacked leaves' pieces have at most `ROW_BY_ROW` rows: take
-            the step one row at a time, each row computed in `isolated` and written
-            in place (this value is `Group.update_one`'s `unknown_zero`), instead of
-            computing the whole pieces and copying them in (`_step_in_place`).
+            checks): take the step one row at a time, each row computed in
+            `isolated` and written in place (this value is `Group.update_one`'s
+            `unknown_zero`), instead of computing the whole pieces and copying them
+            in (`_step_in_place`). A group with a piece of more than `ROW_BY_ROW`
+            rows takes the whole pieces anyway (one slice, a small program).
 
     Returns:
         The new global parameters and outer state.
@@ -132,7 +133,9 @@ def fragment_outer_step(
         ]
         return new, jax.tree.leaves(new_state)
 
-    if in_place is not None:
+    if in_place is not None and all(
+        r is None or r.shape[1] <= ROW_BY_ROW for r in group.rows
+    ):
         return _step_in_place(
             outer,
             group,

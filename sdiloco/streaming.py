@@ -54,7 +54,7 @@ from .base import Algorithm, Exchange, PostedExchange
 from .compression import Compressor, quantizer
 from .custom_types import Batch, Metrics, Params, Replicated
 from .fragments import Fragments, check_matches, single_fragment
-from .inflight import ROW_BY_ROW, Layout, make_layout
+from .inflight import Layout, make_layout
 from .inner import check_batch, inner_steps, replicate
 from .outer import fragment_outer_step, is_elementwise, merge, outer_init
 from .schedule import NEVER, Schedule, make_schedule
@@ -611,11 +611,7 @@ def outer_update(
     elementwise = is_elementwise(spec.outer, g_arrays, state.outer_state)
 
     def one(v, inflight, carry):
-        in_place = None
-        if elementwise and all(
-            r is None or r.shape[1] <= ROW_BY_ROW for r in v.group.rows
-        ):
-            in_place = (~v.live).astype(jnp.int32)
+        in_place = (~v.live).astype(jnp.int32) if elementwise else None
         return fragment_outer_step(
             spec.outer,
             v.group,
