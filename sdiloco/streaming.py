@@ -359,9 +359,8 @@ def local_phase(
     """
     check_batch(batch, spec.num_replicas)
     state, losses, aux = inner_update(spec, state, batch)
-    due = spec.schedule.sent(state.step)
-    idle = jnp.zeros_like(due)
-    state, sent = _gated(jnp.any(due), lambda s: send(spec, s), state, idle)
+    sent = spec.schedule.sent(state.step)  # what `send` reports; all False if idle
+    state = _gated(jnp.any(sent), lambda s: send(spec, s)[0], state)
     local = {"loss/replicas": losses, "sync/sent": sent}
     local.update({f"replicas/aux/{k}": v for k, v in aux.items()})
     return state, local
@@ -380,8 +379,8 @@ def sync_phase(
 
     def sync(state):
         state = receive(spec, state)
-        state, applied, failed = outer_update(spec, state)
-        return merge_arrivals(spec, state)[0], (applied, failed)
+        state = outer_update(spec, state)[0]
+        return merge_arrivals(spec, state)[0]
 
     # A fragment received or stepped at t is merged at t by the replicas whose τ is
     # τ_min, so a step where nobody merges has nothing else to do either. Which
@@ -389,8 +388,10 @@ def sync_phase(
     # split it over a mesh's replicas, and gather it back for the metrics).
     merged = spec.schedule.merge_due(state.step, state.sent_at)
     arriving = spec.schedule.arriving(state.step, state.sent_at)
-    idle = (jnp.zeros_like(sent), jnp.zeros_like(sent))
-    state, (applied, failed) = _gated(jnp.any(arriving), sync, state, idle)
+    state = _gated(jnp.any(arriving), sync, state)
+    # What `outer_update` applied, read off the state after the loop (`receive` may
+    # have set the finiteness flags): all False when nothing arrived.
+    applied, failed = _outcome(spec, state)
     if spec.offload:  # the outputs stay in host memory
         state = state._replace(
             global_params=_to_host(state.global_params),
@@ -598,9 +599,7 @@ def outer_update(
         The new state, which fragments took their outer step `[P]`, and which arrived
         with a non-finite outer gradient `[P]`.
     """
-    due = spec.schedule.outer_due(state.step, state.sent_at)
-    failed = due & ~state.inflight_ok
-    applied = due if spec.nonfinite == "apply" else due & state.inflight_ok
+    applied, failed = _outcome(spec, state)
     g_arrays, g_static = eqx.partition(state.global_params, eqx.is_inexact_array)
     if spec.nonfinite == "raise":
         g_arrays = eqx.error_if(
@@ -745,12 +744,10 @@ def _check_options(alpha, nonfinite, compressor, error_feedback, fragments):
 
 def _gated(
     due: Bool[Array, ""],
-    fn: Callable[[StreamingState], tuple[StreamingState, Any]],
+    fn: Callable[[StreamingState], StreamingState],
     state: StreamingState,
-    idle: Any,
-) -> tuple[StreamingState, Any]:
-    """`fn(state)` if `due`, else `(state, idle)` (`fn` returns `(state, extra)`;
-    `idle` is the `extra` of a step where nothing is due).
+) -> StreamingState:
+    """`fn(state)` if `due`, else `state`.
 
     A loop of 0 or 1 iteration, not a `lax.cond`: a while loop updates the state it
     carries in place, where a conditional holding the parameters made XLA copy them
@@ -760,17 +757,33 @@ def _gated(
     (770 in all instead of 811; the plain AdamW step has 713) and 0.55 ms of a
     10 ms step (`benchmarks/compare_versions.py`). The barrier ties the body to the
     iteration, so that XLA hoists none of it out of the loop.
+
+    The loop carries the state only: what a phase reports (which fragments were
+    sent, applied) is read off the schedule and the state outside it. A value
+    carried for the idle case would be one more small computation ready at the
+    start of the step, and XLA:CPU hands the work of a step to its thread pool
+    when more than 8 are ready at once (`benchmarks/README.md`).
     """
     dynamic, static = eqx.partition(state, eqx.is_array)
 
-    def body(_, carry):
-        dynamic = jax.lax.optimization_barrier(carry[0])
-        new, extra = fn(eqx.combine(dynamic, static))
-        return eqx.partition(new, eqx.is_array)[0], extra
+    def body(_, dynamic):
+        dynamic = jax.lax.optimization_barrier(dynamic)
+        return eqx.partition(fn(eqx.combine(dynamic, static)), eqx.is_array)[0]
 
     count = due.astype(jnp.int32)
-    dynamic, extra = jax.lax.fori_loop(0, count, body, (dynamic, idle))
-    return eqx.combine(dynamic, static), extra
+    dynamic = jax.lax.fori_loop(0, count, body, dynamic)
+    return eqx.combine(dynamic, static)
+
+
+def _outcome(
+    spec: StreamingSpec, state: StreamingState
+) -> tuple[Bool[Array, " P"], Bool[Array, " P"]]:
+    """Which fragments take their outer step at t, and which of them arrived with a
+    non-finite outer gradient (`outer_update`'s report)."""
+    due = spec.schedule.outer_due(state.step, state.sent_at)
+    failed = due & ~state.inflight_ok
+    applied = due if spec.nonfinite == "apply" else due & state.inflight_ok
+    return applied, failed
 
 
 def _to_host(tree: Any) -> Any:

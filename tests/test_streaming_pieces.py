@@ -257,6 +257,39 @@ def test_jitted_step_keeps_static_leaves_in_place_and_compiles_once_per_value():
     assert "multiply" in text.as_text()
 
 
+def test_jitted_step_takes_all_array_arguments_straight_to_jax_jit():
+    def fn(state, batch):
+        new = {"a": state["a"] * 2.0 + batch["x"], "n": state["n"] + 1}
+        return new, {"sum": jnp.sum(new["a"])}
+
+    def run(step):
+        state = {"a": jnp.arange(3.0), "n": jnp.zeros((), jnp.int32)}
+        first = state["a"]
+        for _ in range(3):
+            state, metrics = step(state, {"x": np.ones(3, np.float32)})
+        assert first.is_deleted()  # donated either way
+        return state, metrics
+
+    direct, split = JittedStep(fn), JittedStep(fn)
+    split._direct = None  # the path taken when some leaf is not an array
+    (d_state, d_metrics), (s_state, s_metrics) = run(direct), run(split)
+    assert not direct._programs and split._programs  # each took its own path
+    for x, y in zip(
+        jax.tree.leaves((d_state, d_metrics)), jax.tree.leaves((s_state, s_metrics))
+    ):
+        np.testing.assert_array_equal(x, y)
+    # a ← 2a + 1, three times from [0, 1, 2]
+    np.testing.assert_array_equal(d_state["a"], [7.0, 15.0, 23.0])
+
+    # Outputs that are not arrays send every call down the split path.
+    tagged = JittedStep(lambda s, b: (fn(s, b)[0], {"tag": "x"}))
+    state, metrics = tagged(
+        {"a": jnp.zeros(3), "n": jnp.zeros((), jnp.int32)}, {"x": jnp.ones(3)}
+    )
+    assert metrics == {"tag": "x"} and tagged._direct is None
+    np.testing.assert_array_equal(state["a"], [1.0, 1.0, 1.0])
+
+
 def test_jit_step_donates_the_state_and_takes_an_algorithm_or_a_step():
     params = {"a": jnp.ones(2), "b": jnp.ones((2, 2))}
     alg = sdiloco.data_parallel(
