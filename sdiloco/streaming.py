@@ -766,12 +766,14 @@ def _gated(
     """
     dynamic, static = eqx.partition(state, eqx.is_array)
 
-    def body(_, dynamic):
-        dynamic = jax.lax.optimization_barrier(dynamic)
-        return eqx.partition(fn(eqx.combine(dynamic, static)), eqx.is_array)[0]
+    def body(carry):
+        dynamic = jax.lax.optimization_barrier(carry[1])
+        new = eqx.partition(fn(eqx.combine(dynamic, static)), eqx.is_array)[0]
+        return jnp.zeros_like(carry[0]), new
 
-    count = due.astype(jnp.int32)
-    dynamic = jax.lax.fori_loop(0, count, body, dynamic)
+    # The loop carries `due` itself as its condition rather than a counter, whose
+    # start (a constant) XLA would copy into the loop at every step.
+    dynamic = jax.lax.while_loop(lambda carry: carry[0], body, (due, dynamic))[1]
     return eqx.combine(dynamic, static)
 
 
