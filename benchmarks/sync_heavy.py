@@ -23,8 +23,10 @@ built `--builds` times (its own jitted step and state): two builds of one progra
 differ by where their code and buffers land, and a single plain build read 0.974
 against its twin over 40 rounds. A round's time of a program is the mean over its
 builds, its ratio the plain time over the program's (1.0: syncs are free); the median
-over rounds is the result, the interquartile range its spread, and the ratio of the
-summed times is printed beside it. The first line of results, plain build 1 ÷ plain
+over rounds is the result, the interquartile range its spread, and beside it the
+ratio of the summed times and that of the builds' medians (each build's median
+period, the median over builds: it holds when one build alone runs slow, which
+happened to plain builds on this machine for whole runs). The first line of results, plain build 1 ÷ plain
 build 2 (two identical programs), is the resolution of the measurement.
 
 It also times the floor of a sync: the same arithmetic on contiguous arrays of one
@@ -98,6 +100,9 @@ def main() -> None:
     def mean_time(name):  # [rounds], the mean over the program's builds
         return np.mean([times[name, b] for b in range(args.builds)], axis=0)
 
+    def build_median(name):  # the median over builds of each build's median period
+        return np.median([np.median(times[name, b]) for b in range(args.builds)])
+
     plain = mean_time("plain")
     step = float(np.median(plain)) / h
     print(
@@ -131,7 +136,8 @@ def main() -> None:
         bound = h * step / (h * step + frags.num_fragments * (send + arrive))
         print(
             f"plain ÷ streaming {name}: median {np.median(ratio):.3f} "
-            f"(interquartile {q1:.3f}-{q3:.3f}; summed times {plain.sum() / t.sum():.3f}); "
+            f"(interquartile {q1:.3f}-{q3:.3f}; summed times {plain.sum() / t.sum():.3f}; "
+            f"of the builds' medians {build_median('plain') / build_median(name):.3f}); "
             f"step {np.median(t) / h * 1e3:.2f} ms; floor of a sync of {n:,} values: "
             f"send {send * 1e3:.2f} ms, arrival {arrive * 1e3:.2f} ms, best reachable "
             f"ratio {bound:.3f}",
