@@ -254,12 +254,9 @@ class CompiledStep:
 
 
 def _all_arrays(tree: Any) -> bool:
-    """Whether every leaf of `tree` is a jax or NumPy array (or NumPy scalar): what
-    `jax.jit` traces exactly as `_split` would, with nothing static."""
-    return all(isinstance(x, _ARRAY_TYPES) for x in jax.tree.leaves(tree))
-
-
-_ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
+    """Whether every leaf of `tree` is an array in `_split`'s sense (`eqx.is_array`):
+    then `jax.jit` traces it exactly as `_split` would, with nothing static."""
+    return all(map(eqx.is_array, jax.tree.leaves(tree)))
 
 
 def _split(tree: Any) -> tuple[list, tuple]:
