@@ -108,13 +108,16 @@ def average(values: list[Array]) -> list[Array]:
     Summed in replica order, then divided by M: a fixed order, so that an exchange
     that gathers every replica's payload on every device reproduces it bitwise.
     """
-    out = []
-    for v in values:
-        total = v[0]
-        for m in range(1, v.shape[0]):
-            total = total + v[m]
-        out.append(total / v.shape[0])
-    return out
+    return [replica_mean([v[m] for m in range(v.shape[0])]) for v in values]
+
+
+def replica_mean(parts: list[Array]) -> Array:
+    """The mean of one value per replica, in `average`'s order: summed in replica
+    order, then divided by M."""
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return total / len(parts)
 
 
 def bits_per_fragment(

@@ -465,9 +465,15 @@ def send(
         and not spec.error_feedback
     )
 
-    def mean_delta(g, r):  # a piece (or a row of one) of θ_g and of every replica
-        deltas = communication.outer_gradients([spec.fetch(g)], [r])
-        return communication.average(deltas)[0]
+    def mean_delta(
+        g, *replicas
+    ):  # a piece (or a row of one) of θ_g and of each replica
+        # `average(outer_gradients(...))` with each replica's piece read on its own:
+        # a row read across the replica axis and then split per replica (`Δ[m]`) made
+        # XLA:CPU's fused update about 3x slower (a 0.5M-value fragment of 2 replicas).
+        g = spec.fetch(g)
+        deltas = [communication.outer_gradients([g], [r[None]])[0][0] for r in replicas]
+        return communication.replica_mean(deltas)
 
     def one(v, inputs, carry):
         g_leaves, r_leaves = inputs
@@ -505,8 +511,15 @@ def send(
             [r_leaves[i] for i in v.group.leaves],
         )
         if elementwise:  # Δ̄ written into the slot row by row, in place
+            per_replica = [[x[m] for x in touched[1]] for m in range(spec.num_replicas)]
             slots = layout.write_rows(
-                slots, v.group, v.p, v.j, mean_delta, touched, (0, 1)
+                slots,
+                v.group,
+                v.p,
+                v.j,
+                mean_delta,
+                (touched[0], *per_replica),
+                (0,) * (1 + spec.num_replicas),
             )
             # Read back from the slot (the values are no longer anywhere else);
             # `isfinite`, as `_finite`'s sum would first copy the slot's row out.
