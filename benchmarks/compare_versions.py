@@ -20,6 +20,11 @@ differences new − old; and whether the two versions' states are bitwise equal 
 3H steps from the same start (a change meant to be bitwise neutral must print
 `True`).
 
+The same directory given twice is the control: two copies of one version, whose
+differences show how fine the measurement is on the machine at the time (in one
+session: −0.45 and +0.13 ms for the arrival extras, +8.8 ms per whole period of about
+200 ms; `benchmarks/README.md`).
+
 Then, as `sync_heavy.py` does for one version, whole periods (H steps from the
 run's own state, not blocked between steps, so that dispatch overlaps as in
 training) of the plain program and of each version, in a random order, `--periods`

@@ -1,9 +1,11 @@
 """Sync cost against the number of fragments: work proportional to the fragment.
 
-Usage: `python -m benchmarks.fragment_cost [--layers 16] [--dim 256] [--rounds 30]`
+Usage: `python -m benchmarks.fragment_cost [--layers 16] [--dim 256] [--rounds 30]
+[--compressor e3m0|float32]`
 
 One model (a stack of `layers` d×d tanh blocks plus an input and an output layer,
-about 1M parameters at the defaults), M = 2, τ = 1, E3M0, split into P = 2, 4, 8, 16
+about 1M parameters at the defaults), M = 2, τ = 1, E3M0 (or float32 outer gradients,
+`--compressor float32`: the defaults of `streaming_diloco`), split into P = 2, 4, 8, 16
 fragments of `layers / P` strided blocks each (the small input and output layers join
 fragment 0). For each
 P: the compile time of the step, and the extra wall time of a step that sends one block
@@ -52,7 +54,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4, help="examples per replica")
     parser.add_argument("--sync-every", type=int, default=64, help="H (>= 3P)")
     parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--compressor", default="e3m0", choices=("e3m0", "float32"))
     args = parser.parse_args()
+    compressor = None if args.compressor == "float32" else args.compressor
     print(_common.machine())
     params = stacked_mlp(jr.key(0), args.layers, args.dim)
     n = sum(x.size for x in jax.tree.leaves(params))
@@ -69,7 +73,7 @@ def main() -> None:
             sync_every=args.sync_every,
             fragments=frags,
             overlap=1,
-            compressor="e3m0",
+            compressor=compressor,
         )
         step = eqx.filter_jit(alg.step)
         state = alg.init(params)
@@ -97,7 +101,8 @@ def main() -> None:
         rows[num] = (compile_s, float(np.median(inner)), extra, size)
     print(
         f"\nstacked MLP, {args.layers} blocks of {args.dim}², N = {n:,}; M = 2, H = "
-        f"{args.sync_every}, τ = 1, E3M0; {args.rounds} interleaved rounds, wall ms "
+        f"{args.sync_every}, τ = 1, {args.compressor}; {args.rounds} interleaved "
+        "rounds, wall ms "
         "(medians)\n"
     )
     print(
