@@ -208,7 +208,7 @@ COMPRESSORS = {
 
 
 @pytest.mark.parametrize("comp", sorted(COMPRESSORS))
-@pytest.mark.parametrize("kind", ["streaming", "diloco"])
+@pytest.mark.parametrize("kind", ["streaming", "streaming P=4", "diloco"])
 def test_compiled_sync_works_only_inside_the_loops_and_copies_no_leaf(kind, comp):
     """The sync half of a step (send, outer step, merge), compiled with the state
     donated: outside the loops over due fragments nothing of a fragment's size is
@@ -217,14 +217,15 @@ def test_compiled_sync_works_only_inside_the_loops_and_copies_no_leaf(kind, comp
     copy anywhere is as large as a stacked leaf (a conditional holding the
     parameters made XLA copy them whole on entry and exit). For each kind of
     compressor: a quantizer's grid, or a stochastic one's random counters, are work
-    of the fragment's size that does not depend on the fragment."""
+    of the fragment's size that does not depend on the fragment. With P = 4, three
+    fragments share one loop body, which finds their rows at run time."""
     params = {
         "embed": jnp.ones((8, 16)),
         "blocks": jnp.ones((8, 64, 64)),
         "head": jnp.ones((64,)),
     }
-    labels = {"embed": 0, "head": 0, "blocks": np.arange(8) % 2}
-    streams = kind == "streaming"
+    streams = kind.startswith("streaming")
+    labels = {"embed": 0, "head": 0, "blocks": np.arange(8) % (4 if "4" in kind else 2)}
     alg = sdiloco.streaming_diloco(  # DiLoCo: one whole-model fragment, τ = 0
         lambda q, b: 0.0,
         inner=optax.adamw(1e-3),
@@ -244,7 +245,7 @@ def test_compiled_sync_works_only_inside_the_loops_and_copies_no_leaf(kind, comp
     state = alg.init(params, key=jax.random.key(0))
     text = jax.jit(sync, donate_argnums=0).lower(state).compile().as_text()
     comps, entry = _computations(text)
-    quarter = 2 * 64 * 64  # a quarter of the smallest fragment
+    quarter = 64 * 64  # one block: a quarter of the smallest fragment at P = 2
     free = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant"}
     free |= {"while", "call", "conditional"}
     for name in _always_run(comps, entry):
