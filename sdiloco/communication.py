@@ -29,11 +29,14 @@ def outer_gradients(
     global_leaves: list[Array], replica_leaves: list[Array]
 ) -> list[Array]:
     """`Δ_m = θ_g − θ_m` for every replica, in the wide dtype (Alg. 2, l.7)."""
-    out = []
-    for g, r in zip(global_leaves, replica_leaves):
-        w = wide_dtype(g.dtype)
-        out.append(g.astype(w)[None] - r.astype(w))
-    return out
+    return [outer_gradient(g[None], r) for g, r in zip(global_leaves, replica_leaves)]
+
+
+def outer_gradient(g: Array, r: Array) -> Array:
+    """`θ_g − θ_m` of one leaf (or piece) in the wide dtype; `g` broadcasts against
+    `r`."""
+    w = wide_dtype(g.dtype)
+    return g.astype(w) - r.astype(w)
 
 
 def compress(
