@@ -280,6 +280,9 @@ def test_jitted_step_takes_all_array_arguments_straight_to_jax_jit():
         np.testing.assert_array_equal(x, y)
     # a ← 2a + 1, three times from [0, 1, 2]
     np.testing.assert_array_equal(d_state["a"], [7.0, 15.0, 23.0])
+    # After all-array calls, a Python number leaf is still static (split path).
+    state, _ = direct({"a": jnp.zeros(3), "n": 5}, {"x": np.ones(3, np.float32)})
+    assert direct._programs and state["n"] == 6 and isinstance(state["n"], int)
 
     # Outputs that are not arrays send every call down the split path.
     tagged = JittedStep(lambda s, b: (fn(s, b)[0], {"tag": "x"}))
