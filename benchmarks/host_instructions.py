@@ -28,6 +28,7 @@ sync's loops (which do not run in an inner-only step) are not seen here.
 
 import argparse
 import collections
+import os
 import pathlib
 import re
 import shutil
@@ -104,7 +105,7 @@ def measure(name: str, steps: int, out_dir: pathlib.Path) -> dict:
                 check=True,
                 capture_output=True,
             )
-            (shake / f"go_{mark}").touch()
+            release(shake / f"go_{mark}", proc)
         if proc.wait(timeout=600) != 0:
             raise RuntimeError(f"{name}: the counted run failed; see {log.name}")
     finally:
@@ -115,6 +116,21 @@ def measure(name: str, steps: int, out_dir: pathlib.Path) -> dict:
     if check != "inner-only":
         raise RuntimeError(f"{name}: the counted steps were not inner-only: {check}")
     return by_function(out, steps)
+
+
+def release(fifo: pathlib.Path, proc: subprocess.Popen, limit: float = 60) -> None:
+    """Write to the FIFO the child is blocked on (without blocking here if it died)."""
+    start = time.monotonic()
+    while True:
+        try:
+            fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)  # fails until it reads
+            break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() - start > limit:
+                raise RuntimeError("the counted process stopped waiting") from None
+            time.sleep(0.05)
+    os.write(fd, b"go")
+    os.close(fd)
 
 
 def wait_for(path: pathlib.Path, proc: subprocess.Popen, limit: float = 900) -> None:
@@ -130,35 +146,21 @@ def wait_for(path: pathlib.Path, proc: subprocess.Popen, limit: float = 900) -> 
 def child(name: str, steps: int, shake: pathlib.Path) -> None:
     """Build one program, warm it up, and run the counted steps between handshakes."""
     import jax
-    import jax.numpy as jnp
-    import jax.random as jr
     import numpy as np
-    import optax
 
-    import sdiloco
-    from benchmarks.fragment_cost import loss_fn, stacked_mlp
-    from benchmarks.sync_heavy import COMPRESSORS, plain_program
+    from benchmarks.sync_heavy import (
+        COMPRESSORS,
+        M,
+        plain_program,
+        streaming_program,
+        workload,
+    )
 
-    m, layers, h = 2, 16, 20
-    params = stacked_mlp(jr.key(0), layers, 256)
-    inner = optax.adamw(1e-3)
-    xs = jr.normal(jr.key(1), (h, m, 4, 32))
-    period = [{"x": x, "y": jnp.sin(x.sum(-1))} for x in xs]
+    params, inner, frags, period = workload()
     if name == "plain":
-        step, state = plain_program(params, inner, m)
+        step, state = plain_program(params, inner, M)
     else:
-        frags = sdiloco.fragments_from_labels(
-            params, {"embed": 0, "head": 0, "blocks": np.arange(layers) % 2}
-        )
-        alg = sdiloco.streaming_diloco(
-            loss_fn,
-            inner=inner,
-            num_replicas=m,
-            sync_every=h,
-            fragments=frags,
-            compressor=COMPRESSORS[name],
-        )
-        step, state = sdiloco.jit_step(alg), alg.init(params)
+        step, state = streaming_program(params, inner, frags, COMPRESSORS[name])
     batches = period + period
     for b in batches[:STEPS_BEFORE]:
         state, metrics = step(state, b)
@@ -176,9 +178,13 @@ def child(name: str, steps: int, shake: pathlib.Path) -> None:
 
 
 def handshake(shake: pathlib.Path, mark: str) -> None:
+    """Say `mark` and wait for the parent's go, blocked in the kernel on a FIFO (a
+    polling loop would be counted)."""
+    go = shake / f"go_{mark}"
+    os.mkfifo(go)
     (shake / mark).touch()
-    while not (shake / f"go_{mark}").exists():
-        time.sleep(0.05)
+    with open(go) as f:
+        f.read()
 
 
 LINE = re.compile(r"\s*([\d,]+) \(\s*[\d.]+%\)\s+(.*)")

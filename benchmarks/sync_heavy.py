@@ -53,6 +53,8 @@ from benchmarks.fragment_cost import loss_fn, stacked_mlp
 
 COMPRESSORS = {"float32": None, "e3m0": "e3m0"}
 """The Streaming programs timed, by name: their `compressor`."""
+M, H = 2, 20
+"""Replicas, and steps per period (each of the 2 fragments sends once per period)."""
 
 
 def main() -> None:
@@ -64,28 +66,14 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=256, help="block width")
     args = parser.parse_args()
     print(_common.machine())
-    m, h = 2, 20
-    params = stacked_mlp(jr.key(0), args.layers, args.dim)
-    inner = optax.adamw(1e-3)
-    frags = sdiloco.fragments_from_labels(
-        params, {"embed": 0, "head": 0, "blocks": np.arange(args.layers) % 2}
-    )
-    xs = jr.normal(jr.key(1), (h, m, args.batch, 32))
-    period = [{"x": x, "y": jnp.sin(x.sum(-1))} for x in xs]
+    m, h = M, H
+    params, inner, frags, period = workload(args.layers, args.dim, args.batch)
 
     programs = {}  # (name, build): (step, state)
     for b in range(args.builds):
         programs["plain", b] = plain_program(params, inner, m)
         for name, compressor in COMPRESSORS.items():
-            alg = sdiloco.streaming_diloco(
-                loss_fn,
-                inner=inner,
-                num_replicas=m,
-                sync_every=h,
-                fragments=frags,
-                compressor=compressor,
-            )
-            programs[name, b] = (sdiloco.jit_step(alg), alg.init(params))
+            programs[name, b] = streaming_program(params, inner, frags, compressor)
 
     runs = list(programs)
     for run in runs:  # warm-up: compile, and past the first sends and arrivals
@@ -144,6 +132,33 @@ def main() -> None:
             flush=True,
         )
     print(f"at the end: {_common.machine()}")
+
+
+def workload(layers: int = 16, dim: int = 256, batch: int = 4):
+    """The sync-heavy workload: the stacked MLP's parameters, AdamW, its 2 fragments
+    (embedding and head with the even blocks, the odd blocks) and one period of
+    batches (H of them, `[M, batch, 32]` inputs)."""
+    params = stacked_mlp(jr.key(0), layers, dim)
+    frags = sdiloco.fragments_from_labels(
+        params, {"embed": 0, "head": 0, "blocks": np.arange(layers) % 2}
+    )
+    xs = jr.normal(jr.key(1), (H, M, batch, 32))
+    period = [{"x": x, "y": jnp.sin(x.sum(-1))} for x in xs]
+    return params, optax.adamw(1e-3), frags, period
+
+
+def streaming_program(params, inner, frags, compressor: str | None):
+    """Streaming DiLoCo's defaults on the workload, through `sdiloco.jit_step`:
+    the step and its first state."""
+    alg = sdiloco.streaming_diloco(
+        loss_fn,
+        inner=inner,
+        num_replicas=M,
+        sync_every=H,
+        fragments=frags,
+        compressor=compressor,
+    )
+    return sdiloco.jit_step(alg), alg.init(params)
 
 
 def run_period(programs: dict, name: Any, period: list) -> float:
