@@ -37,18 +37,22 @@ import sys
 import tempfile
 import time
 
+from benchmarks.sync_heavy import COMPRESSORS
+
 
 STEPS_BEFORE = 22
 """Steps run before counting: one period (H = 20) and 2 more, so that the counted
 steps (23 onwards, at most 7 of them) neither send nor receive."""
 
 GROUPS = ("kernels", "runtime", "Python", "allocator", "other")
+PROGRAMS = ("plain", *COMPRESSORS)
+"""The programs of `sync_heavy.py`: the plain baseline and each Streaming one."""
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=6, help="counted steps (1-7)")
-    parser.add_argument("--programs", default="plain,float32,e3m0")
+    parser.add_argument("--programs", default=",".join(PROGRAMS))
     parser.add_argument("--keep", default=None, help="keep the callgrind files here")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--handshake", default=None, help=argparse.SUPPRESS)
@@ -58,9 +62,9 @@ def main() -> None:
     if args.child:
         return child(args.child, args.steps, pathlib.Path(args.handshake))
     programs = args.programs.split(",")
-    unknown = [p for p in programs if p not in ("plain", "float32", "e3m0")]
+    unknown = [p for p in programs if p not in PROGRAMS]
     if unknown:
-        parser.error(f"--programs: {unknown} not among plain, float32, e3m0")
+        parser.error(f"--programs: {unknown} not among {', '.join(PROGRAMS)}")
     for tool in ("valgrind", "callgrind_control", "callgrind_annotate"):
         if shutil.which(tool) is None:
             sys.exit(f"host_instructions: {tool} not found on the PATH (valgrind)")
@@ -148,13 +152,7 @@ def child(name: str, steps: int, shake: pathlib.Path) -> None:
     import jax
     import numpy as np
 
-    from benchmarks.sync_heavy import (
-        COMPRESSORS,
-        M,
-        plain_program,
-        streaming_program,
-        workload,
-    )
+    from benchmarks.sync_heavy import M, plain_program, streaming_program, workload
 
     params, inner, frags, period = workload()
     if name == "plain":
