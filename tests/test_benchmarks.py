@@ -1,4 +1,5 @@
-"""The machine-independent parts of `benchmarks/`: compile count, bits and state bytes."""
+"""The machine-independent parts of `benchmarks/`: compile count, bits, state bytes, and
+what the sync-heavy benchmark times."""
 
 import importlib
 import pathlib
@@ -24,6 +25,7 @@ step_throughput = importlib.import_module("benchmarks.step_throughput")
 _common = importlib.import_module("benchmarks._common")
 compare_versions = importlib.import_module("benchmarks.compare_versions")
 host_instructions = importlib.import_module("benchmarks.host_instructions")
+sync_heavy = importlib.import_module("benchmarks.sync_heavy")
 
 
 H = 4
@@ -177,3 +179,41 @@ def test_host_instructions_reads_and_groups_a_callgrind_listing():
         "_int_free",
         "_PyEval_EvalFrameDefault",
     ]
+
+
+@pytest.mark.integration
+def test_sync_heavy_bare_program_syncs_where_the_streaming_program_does():
+    """`bare_program` sends and receives each fragment at the steps where the float32
+    Streaming program does (read off that program's own metrics over three periods),
+    and its arithmetic is the float32 send and arrival: checked in float64 NumPy."""
+    params, inner, frags, period = sync_heavy.workload(layers=4, dim=16, batch=2)
+    step, state = sync_heavy.streaming_program(params, inner, frags, None)
+    h = sync_heavy.H
+    for t in range(1, 3 * h + 1):
+        state, metrics = step(state, period[(t - 1) % h])
+        sent, arrived = sync_heavy.bare_sync_steps(t, frags.num_fragments)
+        np.testing.assert_array_equal(sent, np.asarray(metrics["sync/sent"]))
+        np.testing.assert_array_equal(arrived, np.asarray(metrics["sync/applied"]))
+
+    send, arrive, outer = sync_heavy.bare_sync(2, None)
+    rng = np.random.default_rng(0)
+    g, r, mom = rng.normal(size=5), rng.normal(size=(2, 5)), rng.normal(size=5)
+    mean, finite = send(jnp.asarray(g, jnp.float32), jnp.asarray(r, jnp.float32))
+    np.testing.assert_allclose(mean, (g - r).mean(0), rtol=1e-6, atol=1e-6)
+    assert bool(finite)
+    r_bad = r.copy()
+    r_bad[1, 3] = np.inf
+    assert not bool(send(jnp.asarray(g, jnp.float32), jnp.asarray(r_bad))[1])
+    state = outer.init(jnp.asarray(g, jnp.float32))
+    state = (state[0]._replace(trace=jnp.asarray(mom, jnp.float32)),) + state[1:]
+    new_g, _, new_r = arrive(
+        jnp.asarray(g, jnp.float32),
+        state,
+        jnp.asarray(mean),
+        jnp.asarray(r, jnp.float32),
+    )
+    d = np.asarray(mean, np.float64)
+    mom_new = 0.9 * mom + d  # optax's Nesterov SGD: update = -lr (d + 0.9 mom_new)
+    g_new = g - 0.4 * (d + 0.9 * mom_new)
+    np.testing.assert_allclose(new_g, g_new, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(new_r, 0.5 * r + 0.5 * g_new, rtol=1e-5, atol=1e-6)
