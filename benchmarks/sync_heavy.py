@@ -297,7 +297,8 @@ def bare_program(params, inner: optax.GradientTransformation, frags):
     implementation that makes the syncs' own passes over memory can beat, timed
     beside the others: the arithmetic alone, with the caches and memory bandwidth
     that the inner steps leave it. Its sends and arrivals are jitted calls of their
-    own, their arrays donated (a few tens of µs of dispatch each, four per period).
+    own (a few tens of µs of dispatch each, four per period); an arrival's arrays are
+    donated, a send writes a new Δ̄ (where Streaming writes its in-flight slot).
     """
     step, state = plain_program(params, inner, M)
     send, arrive, outer = bare_sync(M, None)
