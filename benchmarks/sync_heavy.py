@@ -280,20 +280,17 @@ def sync_floor(
     return float(np.median(times["send"])), float(np.median(times["arrive"]))
 
 
-def bare_sync_steps(t: int, num_fragments: int) -> tuple[np.ndarray, np.ndarray]:
-    """Which fragments `bare_program` sends, and which arrive, at step t (1-based):
-    those of `streaming_diloco`'s default schedule with H = `H` and τ = 1.
-    `[P]` bool each."""
-    first = np.asarray(schedule.default_first_send(H, num_fragments))
-    sent = (t >= first) & ((t - first) % H == 0)
-    arrived = (t - 1 >= first) & ((t - 1 - first) % H == 0)
-    return sent, arrived
+def bare_schedule(num_fragments: int) -> schedule.Schedule:
+    """When `bare_program` sends and receives: `streaming_diloco`'s default schedule
+    with H = `H`, `num_fragments` fragments and τ = 1. Fragment p is sent at step t
+    (1-based) where `.sent(t)[p]`, and arrives τ steps later."""
+    return schedule.make_schedule(H, num_fragments, M, overlap=1)
 
 
 def bare_program(params, inner: optax.GradientTransformation, frags):
     """The plain program plus the bare arithmetic of Streaming's float32 syncs
     (`bare_sync`), each fragment held in contiguous arrays of its own, at the steps
-    where the `float32` program sends and receives it (`bare_sync_steps`). What no
+    where the `float32` program sends and receives it (`bare_schedule`). What no
     implementation that makes the syncs' own passes over memory can beat, timed
     beside the others: the arithmetic alone, with the caches and memory bandwidth
     that the inner steps leave it. Its sends and arrivals are jitted calls of their
@@ -307,13 +304,15 @@ def bare_program(params, inner: optax.GradientTransformation, frags):
     for p, n in enumerate(int(x) for x in frags.sizes()):
         g = jr.normal(jr.key(2 * p), (n,))
         syncs.append([g, jr.normal(jr.key(2 * p + 1), (M, n)), None, outer.init(g)])
+    when = bare_schedule(len(syncs))
+    tau = min(when.overlap)
     t = [0]  # steps taken, on the host
 
     def bare_step(state, batch):
         plain_state, _ = state
         plain_state, _ = step(plain_state, batch)
         t[0] += 1
-        sent, arrived = bare_sync_steps(t[0], len(syncs))
+        sent, arrived = when.sent(t[0]), when.sent(t[0] - tau)
         for p, sync in enumerate(syncs):
             if sent[p]:
                 sync[2] = send(sync[0], sync[1])

@@ -189,11 +189,14 @@ def test_sync_heavy_bare_program_syncs_where_the_streaming_program_does():
     params, inner, frags, period = sync_heavy.workload(layers=4, dim=16, batch=2)
     step, state = sync_heavy.streaming_program(params, inner, frags, None)
     h = sync_heavy.H
+    when = sync_heavy.bare_schedule(frags.num_fragments)
+    assert when.overlap == (1,) * sync_heavy.M  # `bare_step` receives at t - 1's sends
     for t in range(1, 3 * h + 1):
         state, metrics = step(state, period[(t - 1) % h])
-        sent, arrived = sync_heavy.bare_sync_steps(t, frags.num_fragments)
-        np.testing.assert_array_equal(sent, np.asarray(metrics["sync/sent"]))
-        np.testing.assert_array_equal(arrived, np.asarray(metrics["sync/applied"]))
+        np.testing.assert_array_equal(when.sent(t), np.asarray(metrics["sync/sent"]))
+        np.testing.assert_array_equal(
+            when.sent(t - 1), np.asarray(metrics["sync/applied"])
+        )
 
     send, arrive, outer = sync_heavy.bare_sync(2, None)
     rng = np.random.default_rng(0)
