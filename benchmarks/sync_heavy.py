@@ -80,10 +80,26 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4, help="examples per replica")
     parser.add_argument("--layers", type=int, default=16, help="blocks (even)")
     parser.add_argument("--dim", type=int, default=256, help="block width")
+    parser.add_argument(
+        "--per-step",
+        action="store_true",
+        help="time each step alone (blocked) by its position in the period",
+    )
     args = parser.parse_args()
     print(_common.machine())
     m, h = M, H
     params, inner, frags, period = workload(args.layers, args.dim, args.batch)
+    moved = traffic(params, inner, frags, period[0])
+    print(
+        f"bytes moved as XLA counts them, in N = {moved['N']:,} bytes (the model in "
+        f"float32): a plain step {moved['plain']:.2f} N, a period of {h} "
+        f"{h * moved['plain']:.1f} N; the bare syncs of a period {moved['bare']:.2f} N, "
+        f"the least a sync in passes of its own moves {moved['least']:.2f} N; "
+        f"plain ÷ (plain + syncs) at equal bandwidth: {moved['bound_bare']:.4f} with "
+        f"the bare syncs, {moved['bound_least']:.4f} with the least"
+    )
+    if args.per_step:
+        return per_step(params, inner, frags, period, args.builds, args.rounds)
 
     programs = {}  # (name, build): (step, state)
     for b in range(args.builds):
@@ -230,6 +246,110 @@ def plain_program(params, inner: optax.GradientTransformation, m: int):
         lambda x: jnp.array(jnp.broadcast_to(x, (m,) + x.shape)), params
     )
     return jax.jit(plain_step, donate_argnums=0), (reps, jax.vmap(inner.init)(reps))
+
+
+def traffic(params, inner: optax.GradientTransformation, frags, batch) -> dict:
+    """Bytes moved, as XLA counts them: `cost_analysis()["bytes accessed"]` of the
+    compiled program (each operation's operands and outputs, with no credit for
+    caches), in units of N, the model's bytes in float32. `plain`: one step of the
+    plain program (all M replicas); `bare`: the bare send and arrival of every
+    fragment (`bare_sync`), that is the syncs of one period; `least`: what a sync in
+    passes of its own cannot move less than, a send reading θ_g and the M replicas
+    and writing Δ̄ ((M + 2)·n for a fragment of n bytes; its finiteness check fused
+    into that pass), an arrival reading Δ̄, θ_g, the momentum and the M replicas and
+    writing all but Δ̄ back ((2M + 5)·n). Where a step's time follows the bytes it
+    moves (this workload is bound by memory bandwidth on a CPU), a period of H plain
+    steps and the syncs reads at best `H·plain / (H·plain + syncs)`: `bound_bare`,
+    `bound_least`."""
+    n_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+
+    def moved(jitted, *args) -> float:
+        return bytes_accessed(jitted, *args) / n_bytes
+
+    step, state = plain_program(params, inner, M)
+    plain = moved(step, state, batch)
+    send, arrive, outer = bare_sync(M, None)
+    bare = 0.0
+    for n in (int(x) for x in frags.sizes()):
+        g, r = jnp.zeros(n), jnp.zeros((M, n))
+        bare += moved(jax.jit(send), g, r)
+        bare += moved(jax.jit(arrive), g, outer.init(g), g, r)
+    least = float((M + 2) + (2 * M + 5))  # per period, every fragment once: Σ n = N
+    return {
+        "N": n_bytes,
+        "plain": plain,
+        "bare": bare,
+        "least": least,
+        "bound_bare": H * plain / (H * plain + bare),
+        "bound_least": H * plain / (H * plain + least),
+    }
+
+
+def bytes_accessed(jitted, *args) -> float:
+    """XLA's count of the bytes a call of `jitted` on `args` moves (compiled)."""
+    cost = jitted.lower(*args).compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost  # older jax: one per device
+    return float(cost["bytes accessed"])
+
+
+def per_step(params, inner, frags, period, builds: int, rounds: int) -> None:
+    """Each step timed alone (dispatch, then blocked until done), by its position in
+    the period, for plain, inner-only, float32 and bare, interleaved as in the
+    default mode: which steps carry the cost. Blocking exposes each call's dispatch,
+    which the default mode overlaps, so the steps read slower than there."""
+    names = ("plain", "inner-only", "float32", "bare")
+    programs = {}
+    for b in range(builds):
+        programs["plain", b] = plain_program(params, inner, M)
+        programs["inner-only", b] = streaming_program(
+            params, inner, frags, None, sync_every=NEVER
+        )
+        programs["float32", b] = streaming_program(params, inner, frags, None)
+        programs["bare", b] = bare_program(params, inner, frags)
+    runs = list(programs)
+    for run in runs:
+        run_period(programs, run, period)
+        run_period(programs, run, period)
+    times = {run: [] for run in runs}
+    rng = np.random.default_rng(0)
+    for _ in range(rounds):
+        for i in rng.permutation(len(runs)):
+            times[runs[i]].append(run_steps(programs, runs[i], period))
+    # Per position: the median over rounds of the mean over builds, in ms.
+    at = {
+        name: 1e3
+        * np.median(np.mean([times[name, b] for b in range(builds)], axis=0), axis=0)
+        for name in names
+    }
+    when = bare_schedule(frags.num_fragments)  # steps 2H + 1 ... 3H, and so on
+    sends = [t for t in range(1, H + 1) if when.sent(2 * H + t).any()]
+    print(
+        f"per step (ms; {rounds} rounds, {builds} builds): sends at positions {sends} "
+        f"of the period, each arriving at the next step (the last one at position 1 "
+        f"of the next period)"
+    )
+    print("position    " + " ".join(f"{t:6d}" for t in range(1, H + 1)))
+    for name in names:
+        print(f"{name:11s} " + " ".join(f"{x:6.2f}" for x in at[name]))
+    print("minus plain")
+    for name in names[1:]:
+        d = at[name] - at["plain"]
+        print(
+            f"{name:11s} " + " ".join(f"{x:+6.2f}" for x in d) + f"  sum {d.sum():+.2f}"
+        )
+
+
+def run_steps(programs: dict, name: Any, period: list) -> list[float]:
+    """`run_period`, each step timed alone: seconds per step."""
+    step, state = programs[name]
+    out = []
+    for b in period:
+        start = time.perf_counter()
+        state, _ = step(state, b)
+        jax.block_until_ready(state)
+        out.append(time.perf_counter() - start)
+    programs[name] = (step, state)
+    return out
 
 
 def bare_sync(m: int, compressor: str | None):

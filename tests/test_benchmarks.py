@@ -220,3 +220,23 @@ def test_sync_heavy_bare_program_syncs_where_the_streaming_program_does():
     g_new = g - 0.4 * (d + 0.9 * mom_new)
     np.testing.assert_allclose(new_g, g_new, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(new_r, 0.5 * r + 0.5 * g_new, rtol=1e-5, atol=1e-6)
+
+
+def test_sync_heavy_traffic_reads_xla_bytes_against_closed_form_floors():
+    """`traffic` reads XLA's bytes accessed in units of N: a plain AdamW step of M
+    replicas moves at least what the update alone must (each replica reads its
+    parameters, gradient and two moments and writes three: 7 N), and the compiled
+    bare syncs at least the least a sync can move ((M + 2) + (2M + 5) N a period)."""
+    a = jnp.ones(1000)  # an elementwise add reads two arrays and writes one
+    assert sync_heavy.bytes_accessed(jax.jit(lambda x, y: x + y), a, a) == 3 * 4000
+    params, inner, frags, period = sync_heavy.workload(layers=4, dim=16, batch=2)
+    moved = sync_heavy.traffic(params, inner, frags, period[0])
+    leaves = jax.tree.leaves(params)
+    assert moved["N"] == 4 * sum(x.size for x in leaves)
+    step, state = sync_heavy.plain_program(params, inner, sync_heavy.M)
+    plain = sync_heavy.bytes_accessed(step, state, period[0])
+    assert moved["plain"] == pytest.approx(plain / moved["N"])
+    assert moved["plain"] >= 7 * sync_heavy.M
+    assert moved["least"] == (sync_heavy.M + 2) + (2 * sync_heavy.M + 5)
+    assert moved["bare"] >= moved["least"]
+    assert 0.9 < moved["bound_bare"] <= moved["bound_least"] < 1
