@@ -112,25 +112,10 @@ def main() -> None:
     if args.per_step:
         return per_step(params, inner, frags, period, args.builds, args.rounds)
 
-    programs = {}  # (name, build): (step, state)
-    for b in range(args.builds):
-        programs["plain", b] = plain_program(params, inner, m)
-        for name, compressor in COMPRESSORS.items():
-            programs[name, b] = streaming_program(params, inner, frags, compressor)
-        programs["inner-only", b] = streaming_program(
-            params, inner, frags, None, sync_every=NEVER
-        )
-        programs["bare", b] = bare_program(params, inner, frags)
-
-    runs = list(programs)
-    for run in runs:  # warm-up: compile, and past the first sends and arrivals
-        run_period(programs, run, period)
-        run_period(programs, run, period)
-    times = {run: [] for run in runs}
-    rng = np.random.default_rng(0)
-    for _ in range(args.rounds):
-        for i in rng.permutation(len(runs)):
-            times[runs[i]].append(run_period(programs, runs[i], period))
+    names = ("plain", *COMPRESSORS, "inner-only", "bare")
+    times = interleaved(
+        params, inner, frags, period, names, args.builds, args.rounds, run_period
+    )
 
     def mean_time(name):  # [rounds], the mean over the program's builds
         return np.mean([times[name, b] for b in range(args.builds)], axis=0)
@@ -228,6 +213,40 @@ def streaming_program(
     return sdiloco.jit_step(alg), alg.init(params)
 
 
+def program(params, inner, frags, name: str) -> tuple:
+    """A new build of the program `name` on the workload: its step and first state."""
+    if name == "plain":
+        return plain_program(params, inner, M)
+    if name == "bare":
+        return bare_program(params, inner, frags)
+    if name == "inner-only":
+        return streaming_program(params, inner, frags, None, sync_every=NEVER)
+    return streaming_program(params, inner, frags, COMPRESSORS[name])
+
+
+def interleaved(
+    params, inner, frags, period, names, builds: int, rounds: int, timer
+) -> dict:
+    """`builds` builds of each program in `names`, warmed up (compiled, and past the
+    first sends and arrivals), then `rounds` rounds of one period of each, in a new
+    random order each round. Returns `{(name, build): [timer(...) per round]}`."""
+    programs = {
+        (name, b): program(params, inner, frags, name)
+        for b in range(builds)
+        for name in names
+    }
+    runs = list(programs)
+    for run in runs:
+        run_period(programs, run, period)
+        run_period(programs, run, period)
+    times = {run: [] for run in runs}
+    rng = np.random.default_rng(0)
+    for _ in range(rounds):
+        for i in rng.permutation(len(runs)):
+            times[runs[i]].append(timer(programs, runs[i], period))
+    return times
+
+
 def run_period(programs: dict, name: Any, period: list) -> float:
     """Seconds to run `programs[name]`, a `(step, state)` pair, over `period` (one
     batch per step), blocked only at the end; the pair keeps the new state."""
@@ -309,23 +328,7 @@ def per_step(params, inner, frags, period, builds: int, rounds: int) -> None:
     default mode: which steps carry the cost. Blocking exposes each call's dispatch,
     which the default mode overlaps, so the steps read slower than there."""
     names = ("plain", "inner-only", "float32", "bare")
-    programs = {}
-    for b in range(builds):
-        programs["plain", b] = plain_program(params, inner, M)
-        programs["inner-only", b] = streaming_program(
-            params, inner, frags, None, sync_every=NEVER
-        )
-        programs["float32", b] = streaming_program(params, inner, frags, None)
-        programs["bare", b] = bare_program(params, inner, frags)
-    runs = list(programs)
-    for run in runs:
-        run_period(programs, run, period)
-        run_period(programs, run, period)
-    times = {run: [] for run in runs}
-    rng = np.random.default_rng(0)
-    for _ in range(rounds):
-        for i in rng.permutation(len(runs)):
-            times[runs[i]].append(run_steps(programs, runs[i], period))
+    times = interleaved(params, inner, frags, period, names, builds, rounds, run_steps)
     # Per position: the median over rounds of the mean over builds, in ms.
     at = {
         name: 1e3
