@@ -94,6 +94,39 @@ def test_rows_updated_and_written_in_place_match_numpy(layers, p, seed):
         assert np.isnan(np.asarray(slots[k, want.size :])).all()  # nothing else
 
 
+def test_rows_merged_in_place_make_no_row_copies():
+    """`Group.update_one` on rows of a stacked leaf compiles to one in-place update
+    per row that reads its row itself: no instruction of the compiled program makes a
+    row-sized array. (Rows read without their row axis made XLA:CPU copy each row
+    out to a temporary before its update.)"""
+    layers, d, m = 8, 16, 2
+    params = {"w": jnp.zeros((layers, d, d))}
+    frags = sdiloco.fragments_from_labels(params, {"w": np.arange(layers) % 2})
+    layout = make_layout(frags, make_schedule(8, 2, m, 1))
+    group = layout.groups[layout.group_of[1]]
+    j = int(layout.index_in_group[1])
+
+    def merge_rows(x, g, zero):
+        return group.update_one(
+            0, x, j, lambda r, q: 0.5 * r + 0.5 * q[None], (g,), (1, 0), zero
+        )
+
+    x, g = jnp.ones((m, layers, d, d)), jnp.zeros((layers, d, d))
+    compiled = jax.jit(merge_rows, donate_argnums=0).lower(x, g, jnp.int32(0))
+    text = compiled.compile().as_text()
+    entry = text[text.index("\nENTRY") :].splitlines()[1:]
+    made = {  # the shapes of the arrays its instructions make (not its inputs)
+        shape
+        for line in entry
+        if " parameter(" not in line
+        for shape in re.findall(r"= (f32\[[0-9,]*\])", line)
+    }
+    assert made == {f"f32[{m},{layers},{d},{d}]"}, made
+    assert sum("fusion(" in line for line in entry) == layers // 2
+    out = np.asarray(jax.jit(merge_rows)(x, g, jnp.int32(0)))
+    assert np.all(out[:, 1::2] == 0.5) and np.all(out[:, 0::2] == 1.0)
+
+
 def test_default_schedule_needs_one_slot():
     # f_p = H + round(pH/P): sends H/P apart, so with τ < H/P one slot suffices.
     for h, p, tau in ((100, 8, 1), (20, 3, 1), (30, 1, 0), (12, 4, 2)):
