@@ -118,7 +118,7 @@ def main() -> None:
     )
 
     def mean_time(name):  # [rounds], the mean over the program's builds
-        return np.mean([times[name, b] for b in range(args.builds)], axis=0)
+        return mean_over_builds(times, name, args.builds)
 
     def build_median(name):  # the median over builds of each build's median period
         return np.median([np.median(times[name, b]) for b in range(args.builds)])
@@ -247,6 +247,12 @@ def interleaved(
     return times
 
 
+def mean_over_builds(times: dict, name: str, builds: int) -> np.ndarray:
+    """The times of program `name` per round (and per step, if the timer gave
+    several), the mean over its builds: `times` as `interleaved` returns them."""
+    return np.mean([times[name, b] for b in range(builds)], axis=0)
+
+
 def run_period(programs: dict, name: Any, period: list) -> float:
     """Seconds to run `programs[name]`, a `(step, state)` pair, over `period` (one
     batch per step), blocked only at the end; the pair keeps the new state."""
@@ -331,8 +337,7 @@ def per_step(params, inner, frags, period, builds: int, rounds: int) -> None:
     times = interleaved(params, inner, frags, period, names, builds, rounds, run_steps)
     # Per position: the median over rounds of the mean over builds, in ms.
     at = {
-        name: 1e3
-        * np.median(np.mean([times[name, b] for b in range(builds)], axis=0), axis=0)
+        name: 1e3 * np.median(mean_over_builds(times, name, builds), axis=0)
         for name in names
     }
     when = bare_schedule(frags.num_fragments)  # steps 2H + 1 ... 3H, and so on
