@@ -9,15 +9,25 @@ gradients is an `Exchange`: the vmapped simulation (`communication.simulated_exc
 and the sharded one (`distributed.sharded_exchange`) are interchangeable.
 """
 
+import dataclasses
 from collections.abc import Callable
-from typing import Any, ClassVar, NamedTuple, Protocol, runtime_checkable
+from typing import (
+    Any,
+    ClassVar,
+    Generic,
+    NamedTuple,
+    Protocol,
+    TypeVar,
+    runtime_checkable,
+)
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Bool, Int, PRNGKeyArray
+from jaxtyping import Array, Int, PRNGKeyArray
 
+from .compression import Compressor
 from .custom_types import Batch, Metrics, Params
 from .fragments import Fragments
 
@@ -47,22 +57,22 @@ class AlgorithmState(Protocol):
 
 @runtime_checkable
 class Exchange(Protocol):
-    """How the replicas exchange their outer gradients (Alg. 2, l.7-8).
+    """How the replicas exchange one fragment's outer gradients (Alg. 2, l.7-8).
 
-    Given each replica's outer gradient (one `[M, ...]` array per parameter leaf), it
-    returns the average over replicas of what the receivers reconstruct (one `[...]`
-    array per leaf, in float32 or wider) and each replica's own reconstruction
-    `[M, ...]` (what error feedback subtracts). Only the fragments in `sent` need to be
-    correct: the caller keeps those and discards the rest.
+    Given each replica's outer gradient of the fragment (one `[M, ...]` array per
+    piece), it returns the average over replicas of what the receivers reconstruct
+    (one `[...]` array per piece, in float32 or wider) and each replica's own
+    reconstruction `[M, ...]` (what error feedback subtracts).
+    `communication.simulated_exchange` (every replica on one device) and
+    `distributed.sharded_exchange(mesh)` (a packed all-gather) are the two here.
     """
 
     def __call__(
         self,
-        compressor: Any,
+        compressor: Compressor | None,
         fragments: Fragments,
         deltas: list[Array],
         key: PRNGKeyArray,
-        sent: Bool[Array, " P"],
     ) -> tuple[list[Array], list[Array]]:
         """Exchange `deltas`; returns `(mean, own_reconstruction)`."""
         ...
@@ -81,14 +91,18 @@ class PostedExchange(Protocol):
     """
 
     def message_bytes(
-        self, compressor: Any, fragments: Fragments, deltas: list[Any], key: Array
+        self,
+        compressor: Compressor | None,
+        fragments: Fragments,
+        deltas: list[Any],
+        key: Array,
     ) -> int:
         """Bytes of one replica's message for deltas shaped like `deltas`."""
         ...
 
     def encode(
         self,
-        compressor: Any,
+        compressor: Compressor | None,
         fragments: Fragments,
         deltas: list[Array],
         key: PRNGKeyArray,
@@ -98,7 +112,7 @@ class PostedExchange(Protocol):
 
     def decode_mean(
         self,
-        compressor: Any,
+        compressor: Compressor | None,
         fragments: Fragments,
         messages: Array,
         deltas: list[Any],
@@ -108,7 +122,11 @@ class PostedExchange(Protocol):
         ...
 
 
-class Algorithm(NamedTuple):
+SpecT = TypeVar("SpecT")
+
+
+@dataclasses.dataclass(frozen=True)
+class Algorithm(Generic[SpecT]):
     """A distributed training algorithm: pure `init` and `step`, plus its accounting.
 
     Attributes:
@@ -119,20 +137,21 @@ class Algorithm(NamedTuple):
             one replica puts on the wire to send each fragment (docs/contract.md §3);
             for Data-Parallel, one entry: the bits of one gradient exchange.
         num_replicas: M.
-        spec: the algorithm's static description (a `StreamingSpec` for the DiLoCo
-            family, e.g. to read the in-flight buffer with
-            `streaming.inflight_outer_gradients`); None for Data-Parallel.
+        spec: the algorithm's static description, typed: a `streaming.StreamingSpec`
+            for the DiLoCo family (its schedule, layout and exchange, e.g. for a
+            `distributed.Courier` or `streaming.inflight_outer_gradients`); None for
+            Data-Parallel.
     """
 
     init: Callable[..., Any]
     step: Callable[[Any, Batch], tuple[Any, Metrics]]
     bits_per_fragment: Callable[[Params], np.ndarray]
     num_replicas: int
-    spec: Any = None
+    spec: SpecT
 
 
 def jit_step(
-    algorithm: Algorithm | Callable[[Any, Batch], tuple[Any, Metrics]],
+    algorithm: Algorithm | Callable[[Any, Any], Any],
 ) -> "JittedStep":
     """`algorithm.step` (or a step function), compiled once, with the state donated.
 
@@ -141,160 +160,125 @@ def jit_step(
     buffers are reused for the new one): do not use it again. The batch is not
     donated. The first call copies the state's arrays, since `init` keeps the
     parameters it was given as θ_g and the caller may still hold them.
-    `step.lower(state, batch)` gives the compiled program (`jax.stages.Lowered`).
+    `step.lower(state, batch)` gives the program (`jax.stages.Lowered`).
     """
     fn = algorithm.step if isinstance(algorithm, Algorithm) else algorithm
     return JittedStep(fn, copy_first=True)
 
 
 class JittedStep:
-    """`fn(state, batch)` jitted with the state's arrays donated, as `jit_step` and
-    `distributed.sharded_step` give it.
+    """`fn(state, batch)` compiled by `jax.jit`, the state's arrays donated.
 
-    Like `eqx.filter_jit`, array leaves are traced and every other leaf is static (it
-    must be hashable; a new value compiles again). Unlike it, a call costs a few
-    microseconds of Python. When every leaf of the state and the batch is an array
-    (a jax or NumPy array), which is the usual case, the pytrees go straight to a
-    `jax.jit` with the state donated: its C++ dispatch flattens them and rebuilds
-    the outputs. Otherwise the array leaves are split out here, passed on, and the
-    program found by the tree structures and the static leaves. `eqx.filter_jit`
-    splits and rebuilds every pytree in Python at each call, which on the
-    ~1M-parameter sync-heavy benchmark (`benchmarks/sync_heavy.py`) was 0.6 ms of a
-    10 ms step; the split here about 0.06 ms, the direct path about 0.01 ms.
+    As with `eqx.filter_jit`, array leaves are traced and every other leaf (an
+    Equinox module's activation function, say) is static: hashed with the tree
+    structure, a new value compiles again. Unlike `eqx.filter_jit`, which waits for
+    each call's result, a call returns as soon as the step is dispatched, so the
+    training loop prepares the next batch (and a courier moves messages) while the
+    step computes.
 
     Args:
         fn: `fn(state, batch) -> outputs` (any pytree).
+        donate: donate the state; False keeps the state passed in valid (a
+            courier's step whose messages may still fail to arrive).
         copy_first: copy the state's arrays at the first call (in the memory they
-            are in), so that the caller's arrays survive the donation.
+            are in), so that arrays the caller still holds survive the donation.
     """
 
-    def __init__(self, fn: Callable[[Any, Any], Any], copy_first: bool = False):
-        self.fn = fn
-        self.copy_first = copy_first
-        self._programs: dict = {}
-        # All-array arguments: `fn` jitted as is. None once its outputs turned out
-        # not to be all arrays (then every call takes the split path).
-        self._direct: Callable | None = jax.jit(fn, donate_argnums=0)
+    def __init__(
+        self,
+        fn: Callable[[Any, Any], Any],
+        *,
+        donate: bool = True,
+        copy_first: bool = False,
+    ):
+        self._fn = fn
+        self._jitted = jax.jit(
+            self._run, donate_argnums=(0,) if donate else (), static_argnums=(2, 3)
+        )
+        self._outputs: dict[tuple[_Static, _Static], _Static] = {}
+        self._copy = copy_first
 
     def __call__(self, state: Any, batch: Any) -> Any:
-        if self.copy_first:
-            state = jax.tree.map(  # a copy in the same place (device or host memory)
-                lambda x: (
-                    jax.device_put(x, x.sharding, may_alias=False)
-                    if isinstance(x, jax.Array)
-                    else (jnp.array(x) if eqx.is_array(x) else x)
-                ),
-                state,
-            )
-            self.copy_first = False
-        if self._direct is not None and _all_arrays((state, batch)):
-            try:
-                return self._direct(state, batch)
-            except TypeError as error:  # an output that is not an array: split
-                if "not a valid JAX type" not in str(error):
-                    raise
-                self._direct = None
-        (jitted, out), s_dyn, b_dyn = self._program(state, batch)
-        dynamic = jitted(s_dyn, b_dyn)
-        return _rebuild(out[0], dynamic)
+        if self._copy:  # a copy in the same place (device or host memory)
+            state = jax.tree.map(_copy, state)
+            self._copy = False
+        (s_dyn, s_static), (b_dyn, b_static) = _split(state), _split(batch)
+        dynamic = self._jitted(s_dyn, b_dyn, s_static, b_static)
+        return self._outputs[s_static, b_static].combine(dynamic)
 
     def lower(self, state: Any, batch: Any) -> "LoweredStep":
-        """The program of a call on these arguments, lowered (the same XLA program
-        whichever way the call is dispatched)."""
-        (jitted, out), s_dyn, b_dyn = self._program(state, batch)
-        return LoweredStep(jitted.lower(s_dyn, b_dyn), out)
+        """The program of a call on these arguments, lowered: `.as_text()`, and
+        `.compile()` to a `CompiledStep` (`compiled(state, batch)`, `.as_text()`,
+        `.memory_analysis()`, `.cost_analysis()`)."""
+        (s_dyn, s_static), (b_dyn, b_static) = _split(state), _split(batch)
+        lowered = self._jitted.lower(s_dyn, b_dyn, s_static, b_static)
+        return LoweredStep(lowered, self._outputs[s_static, b_static])
 
-    def _program(self, state, batch):
-        s_dyn, s_key = _split(state)
-        b_dyn, b_key = _split(batch)
-        program = self._programs.get((s_key, b_key))
-        if program is None:
-            program = self._programs[s_key, b_key] = self._compile(s_key, b_key)
-        return program, s_dyn, b_dyn
-
-    def _compile(self, s_key, b_key):
-        out: list = [None]  # the outputs' key, set when `run` is traced
-
-        def run(s_dyn, b_dyn):
-            result = self.fn(_rebuild(s_key, s_dyn), _rebuild(b_key, b_dyn))
-            dynamic, out[0] = _split(result)
-            return dynamic
-
-        return jax.jit(run, donate_argnums=0), out
+    def _run(self, s_dyn, b_dyn, s_static: "_Static", b_static: "_Static"):
+        out = self._fn(s_static.combine(s_dyn), b_static.combine(b_dyn))
+        dynamic, self._outputs[s_static, b_static] = _split(out)
+        return dynamic
 
 
-class LoweredStep:
-    """`JittedStep.lower`: `.as_text()`, and `.compile()` to a `CompiledStep`."""
+class LoweredStep(NamedTuple):
+    """`JittedStep.lower`'s result."""
 
-    def __init__(self, lowered: jax.stages.Lowered, out: list):
-        self.lowered, self._out = lowered, out
+    lowered: jax.stages.Lowered
+    outputs: "_Static"
 
     def as_text(self) -> str:
         return self.lowered.as_text()
 
     def compile(self) -> "CompiledStep":
-        return CompiledStep(self.lowered.compile(), self._out)
+        return CompiledStep(self.lowered.compile(), self.outputs)
 
 
-class CompiledStep:
-    """A compiled step: `compiled(state, batch)` (the state donated), `.as_text()`
-    and `.memory_analysis()` of its XLA program."""
+class CompiledStep(NamedTuple):
+    """A compiled step: `compiled(state, batch)` (the state donated) and XLA's
+    reports on its program."""
 
-    def __init__(self, compiled: jax.stages.Compiled, out: list):
-        self.compiled, self._out = compiled, out
+    compiled: jax.stages.Compiled
+    outputs: "_Static"
 
     def __call__(self, state: Any, batch: Any) -> Any:
-        return _rebuild(self._out[0], self.compiled(_split(state)[0], _split(batch)[0]))
+        dynamic = self.compiled(_split(state)[0], _split(batch)[0])
+        return self.outputs.combine(dynamic)
 
     def as_text(self) -> str:
-        return self.compiled.as_text()
+        return self.compiled.as_text() or ""
 
     def memory_analysis(self) -> Any:
         return self.compiled.memory_analysis()
 
-
-_ARRAY_LEAF_TYPES: set[type] = set()
-"""Leaf types seen to be arrays (`eqx.is_array` is an `isinstance` test, so it holds
-for every value of a type)."""
+    def cost_analysis(self) -> Any:
+        return self.compiled.cost_analysis()
 
 
-def _all_arrays(tree: Any) -> bool:
-    """Whether every leaf of `tree` is an array in `_split`'s sense (`eqx.is_array`):
-    then `jax.jit` traces it exactly as `_split` would, with nothing static.
+class _Static(NamedTuple):
+    """The hashable part of a pytree: its structure and its non-array leaves."""
 
-    A set lookup of each leaf's type, with `eqx.is_array` only for a type not seen
-    before: on the sync-heavy benchmark's state and batch (23 leaves) 5 µs a call
-    against 10 µs for `eqx.is_array` on every leaf."""
-    leaves = jax.tree.leaves(tree)
-    if _ARRAY_LEAF_TYPES.issuperset(map(type, leaves)):
-        return True
-    for x in leaves:
-        if not eqx.is_array(x):
-            return False
-        _ARRAY_LEAF_TYPES.add(type(x))
-    return True
+    treedef: Any
+    leaves: tuple[tuple[int, Any], ...]  # (position, value)
+
+    def combine(self, dynamic: list[Any]) -> Any:
+        leaves = list(dynamic)
+        for i, x in self.leaves:  # in increasing i: every earlier position is filled
+            leaves.insert(i, x)
+        return jax.tree.unflatten(self.treedef, leaves)
 
 
-def _split(tree: Any) -> tuple[list, tuple]:
-    """The array leaves of `tree`, and a hashable key: its structure and its other
-    leaves with their positions."""
+def _split(tree: Any) -> tuple[list[Any], _Static]:
+    """The array leaves of `tree` and the rest (`_Static`)."""
     leaves, treedef = jax.tree.flatten(tree)
-    dynamic, static = [], []
-    for i, x in enumerate(leaves):
-        if eqx.is_array(x):
-            dynamic.append(x)
-        else:
-            static.append((i, x))
-    return dynamic, (treedef, tuple(static))
+    arrays = [x for x in leaves if eqx.is_array(x)]
+    static = tuple((i, x) for i, x in enumerate(leaves) if not eqx.is_array(x))
+    return arrays, _Static(treedef, static)
 
 
-def _rebuild(key: tuple, dynamic: list) -> Any:
-    """The inverse of `_split`."""
-    treedef, static = key
-    leaves = list(dynamic)
-    for i, x in static:  # in increasing i: every earlier position is filled
-        leaves.insert(i, x)
-    return jax.tree.unflatten(treedef, leaves)
+def _copy(x: Any) -> Any:
+    if isinstance(x, jax.Array):
+        return jax.device_put(x, x.sharding, may_alias=False)
+    return jnp.array(x) if eqx.is_array(x) else x
 
 
 def replica_fields(state: AlgorithmState) -> tuple[str, ...]:

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
-from jaxtyping import Array, Bool, PRNGKeyArray
+from jaxtyping import Array, PRNGKeyArray
 
 from .compression import Compressor
 from .fragments import Fragments
@@ -68,9 +68,6 @@ def compress(
                 return jax.vmap(_c)(x, keys)
 
         keys = jr.split(jr.fold_in(key, i), d.shape[0])
-        # One call per replica, not a vmap: with a vmap, XLA:CPU fuses the
-        # reconstructions into the replica sum and the send takes 2-3x longer
-        # (benchmarks/README.md, "Work proportional to the fragment").
         out.append(jnp.stack([f(d[m], keys[m]) for m in range(d.shape[0])]))
     return out
 
@@ -80,27 +77,23 @@ def simulated_exchange(
     fragments: Fragments,
     deltas: list[Array],
     key: PRNGKeyArray,
-    sent: Bool[Array, " P"] | None = None,
 ) -> tuple[list[Array], list[Array]]:
     """The exchange with all replicas on one device (vmapped): compress, then average.
 
-    This is the default `exchange` of `streaming_diloco`. A sharded exchange (see
-    `distributed.py`) has the same signature and returns the same values.
+    This is the default `exchange` of `streaming_diloco` (a `base.Exchange`). The
+    sharded one (`distributed.sharded_exchange`) returns the same values.
 
     Args:
         compressor: the compressor, or None.
         fragments: the partition.
         deltas: each replica's outer gradient, one `[M, ...]` array per leaf.
         key: randomness for stochastic compressors.
-        sent: which fragments are being sent. Unused here: every fragment is computed
-            and the caller keeps the sent ones; a real exchange sends only those.
 
     Returns:
         The average over replicas of the reconstructed outer gradients (one `[...]`
         array per leaf, wide dtype), and each replica's own reconstruction `[M, ...]`
         (what error feedback subtracts).
     """
-    del sent
     recon = compress(compressor, fragments, deltas, key)
     return average(recon), recon
 

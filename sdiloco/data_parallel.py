@@ -42,7 +42,7 @@ def data_parallel(
     num_replicas: int = 2,
     grad_bits: int = 16,
     has_aux: bool = False,
-) -> Algorithm:
+) -> Algorithm[None]:
     """Data-Parallel: gradients averaged over the replicas every step, one inner step.
 
     Args:
@@ -109,4 +109,4 @@ def data_parallel(
         )
         return new_state, metrics
 
-    return Algorithm(init, step, bits_per_fragment, num_replicas)
+    return Algorithm(init, step, bits_per_fragment, num_replicas, None)

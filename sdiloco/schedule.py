@@ -87,6 +87,11 @@ class Schedule:
         """M (the length of `overlap`)."""
         return len(self.overlap)
 
+    @property
+    def min_overlap(self) -> int:
+        """τ_min: a fragment's outer step is at `sent + τ_min`, its earliest arrival."""
+        return min(self.overlap)
+
     def sent(self, t: Int[ArrayLike, ""]) -> Bool[ArrayLike, " P"]:
         """Which fragments are sent at step t (Alg. 2, l.6): `t >= f_p`, `H | t - f_p`.
 
@@ -101,13 +106,13 @@ class Schedule:
     ) -> Bool[ArrayLike, " P"]:
         """Which fragments are in flight at t: sent, their outer step (at
         `sent_at + τ_min`) still to come. jax or NumPy, as its arguments."""
-        return (sent_at != NEVER) & (t < sent_at + min(self.overlap))
+        return (sent_at != NEVER) & (t < sent_at + self.min_overlap)
 
     def outer_due(
         self, t: Int[Array, ""], sent_at: Int[Array, " P"]
     ) -> Bool[Array, " P"]:
         """Which fragments take their outer step at t: the earliest arrival."""
-        tau = jnp.asarray(min(self.overlap), dtype=t.dtype)
+        tau = jnp.asarray(self.min_overlap, dtype=t.dtype)
         return (sent_at != NEVER) & (t - sent_at == tau)
 
     def merge_due(

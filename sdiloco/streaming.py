@@ -2,28 +2,27 @@
 
 `streaming_diloco(...)` validates its arguments into a `StreamingSpec` (everything
 static) and returns an `Algorithm`: `init(params, key) -> state` and
-`step(state, batch) -> (state, metrics)`. The step is a composition of four
-module-level pure functions of the state, each testable alone:
+`step(state, batch) -> (state, metrics)`. The step is five pure functions of the
+state, each testable alone, in the order of Alg. 2:
 
-1. `inner_update`: every replica takes one inner-optimizer step on its own batch
-   (Alg. 2, l.3-5), and t ← t + 1;
-2. `send`: every fragment due at t computes `Δ_m = θ_g − θ_m`, compresses it per
-   replica, and averages it in float32 or wider; it is in flight until t + τ (l.6-8);
-3. `outer_update`: a fragment whose earliest arrival is t takes its outer step on θ_g
-   (l.11);
-4. `merge_arrivals`: each replica m whose arrival `sent + τ_m` is t merges
-   `θ_m ← α·θ_m + (1 − α)·θ_g` on that fragment (l.12).
+1. `inner_update` (l.3-5): every replica takes one inner-optimizer step on its own
+   batch, and t ← t + 1;
+2. `send` (l.6-8): every fragment due at t computes `Δ_m = θ_g − θ_m` per replica,
+   compresses it, and averages it in float32 or wider into its in-flight slot;
+3. `receive` (posted exchange only): decode the messages a courier delivered;
+4. `outer_update` (l.9-11): a fragment whose outer gradient arrives at t takes its
+   outer step on θ_g;
+5. `merge_arrivals` (l.12): each replica m whose arrival `sent + τ_m` is t merges
+   `θ_m ← α·θ_m + (1 − α)·θ_g` on that fragment.
 
-Steps 1-2 are `local_phase` (nothing from other replicas) and 3-4 `sync_phase`; with a
-posted exchange (`distributed.posted_exchange`) `send` only encodes each replica's
-message into the state's outbox, a `distributed.Courier` moves the messages between
-the two phases, and `receive` (first in `sync_phase`) decodes and averages them.
+Steps 1-2 are `local_phase` (nothing from other replicas) and 3-5 `sync_phase`; a
+`distributed.Courier` runs them as two programs and moves the messages between them.
 
 Replicas live on a leading axis M of the state and of the batch. Which fragment is
 sent, received or merged at t is traced data, so the step compiles once and serves
-every step (`sdiloco.jit_step(alg)`). A sync touches only its fragment's elements, and
-the averaged outer gradient waits in one of the in-flight slots the schedule needs
-(`inflight.py`), so both the work and the memory of a sync scale with the fragment.
+every step (`sdiloco.jit_step(alg)`). A sync touches only its fragment's elements
+(`inflight.Layout.for_each`), so its work and memory scale with the fragment;
+docs/implementation.md says how the step is organised.
 
 Vanilla DiLoCo is `diloco(...)`: the same code with P = 1, τ = 0, α = 0 and no
 compressor. Data-Parallel, which is different maths, is in `data_parallel.py`.
@@ -39,7 +38,7 @@ This differs from the paper in:
 """
 
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import equinox as eqx
 import jax
@@ -50,13 +49,14 @@ import optax
 from jaxtyping import Array, Bool, Int, PRNGKeyArray
 
 from . import communication
+from ._xla import run_if
 from .base import Algorithm, Exchange, PostedExchange
 from .compression import Compressor, quantizer
 from .custom_types import Batch, Metrics, Params, Replicated
 from .fragments import Fragments, check_matches, single_fragment
-from .inflight import Layout, make_layout
+from .inflight import Group, Layout, Visit, make_layout
 from .inner import check_batch, inner_steps, replicate
-from .outer import fragment_outer_step, is_elementwise, merge, outer_init
+from .outer import GlobalMemory, fragment_outer_step, merge, outer_init
 from .schedule import NEVER, Schedule, make_schedule
 
 
@@ -102,34 +102,46 @@ class StreamingSpec(NamedTuple):
     nonfinite: str
     has_aux: bool
     exchange: Exchange | PostedExchange
-    offload: bool = False
-
-    def fetch(self, x: Array) -> Array:
-        """A piece of θ_g or of the outer state, moved to the device if offloaded."""
-        return jax.device_put(x, jax.memory.Space.Device) if self.offload else x
-
-    def store(self, x: Array) -> Array:
-        """A piece to write into θ_g or the outer state, moved to host if offloaded."""
-        return jax.device_put(x, jax.memory.Space.Host) if self.offload else x
+    memory: GlobalMemory = GlobalMemory()
 
     @property
     def num_replicas(self) -> int:
         """M."""
         return self.schedule.num_replicas
 
-    def fragments_of(self, params: Params) -> Fragments:
-        """The fragments of `params` (one fragment when none were given)."""
-        return single_fragment(params) if self.fragments is None else self.fragments
-
-    def layout_of(self, params: Params) -> Layout:
-        """The fragment groups and in-flight slots for `params` (static)."""
-        return make_layout(self.fragments_of(params), self.schedule)
-
     @property
     def posted(self) -> bool:
         """Whether the exchange is posted: encoded in the step that sends, moved
         between steps, decoded in the step of the outer update (`PostedExchange`)."""
         return isinstance(self.exchange, PostedExchange)
+
+    def fragments_of(self, params: Params) -> Fragments:
+        """The fragments of `params` (one fragment when none were given)."""
+        return single_fragment(params) if self.fragments is None else self.fragments
+
+    def layout(self, params: Params) -> Layout:
+        """The fragment groups and in-flight slots for `params` (static)."""
+        arrays = eqx.filter(params, eqx.is_inexact_array)
+        return make_layout(self.fragments_of(arrays), self.schedule)
+
+    def message_bytes(self, params: Params) -> np.ndarray:
+        """`[P]` bytes of one replica's packed message for each fragment (what it
+        posts when it sends fragment p; posted exchange only)."""
+        if not self.posted:
+            raise ValueError(
+                f"message_bytes: exchange={self.exchange!r} is not posted."
+            )
+        layout, like = self.layout(params), _leaves(params)
+        sizes = [_message_bytes(self, g, like) for g in layout.groups]
+        return np.asarray([sizes[g] for g in layout.group_of], np.int64)
+
+
+class LocalResult(NamedTuple):
+    """What `local_phase` hands `sync_phase`: what the step's metrics report of it."""
+
+    losses: Array  # [M] each replica's loss
+    aux: dict[str, Array]  # each leaf [M, ...], the loss function's aux
+    sent: Bool[Array, " P"]  # which fragments were sent at t
 
 
 def streaming_diloco(
@@ -149,7 +161,7 @@ def streaming_diloco(
     has_aux: bool = False,
     exchange: Exchange | PostedExchange = communication.simulated_exchange,
     offload: bool = False,
-) -> Algorithm:
+) -> Algorithm[StreamingSpec]:
     """Streaming DiLoCo (Alg. 2) with overlapped, compressed fragment syncs.
 
     Args:
@@ -208,7 +220,7 @@ def streaming_diloco(
     schedule = make_schedule(
         sync_every, num_fragments, num_replicas, overlap, first_send
     )
-    if isinstance(exchange, PostedExchange) and min(schedule.overlap) < 1:
+    if isinstance(exchange, PostedExchange) and schedule.min_overlap < 1:
         raise ValueError(
             f"overlap (tau)={schedule.overlap} with a posted exchange; allowed: every "
             "tau >= 1 (with tau = 0 the outer step is in the step that sends, so "
@@ -226,7 +238,7 @@ def streaming_diloco(
         nonfinite=nonfinite,
         has_aux=has_aux,
         exchange=exchange,
-        offload=offload,
+        memory=GlobalMemory(offload),
     )
 
     def init(params: Params, key: PRNGKeyArray | None = None) -> StreamingState:
@@ -236,7 +248,8 @@ def streaming_diloco(
         return streaming_step(spec, state, batch)
 
     def bits_per_fragment(params: Params) -> np.ndarray:
-        return communication.bits_per_fragment(compressor, spec.fragments_of(params))
+        arrays = eqx.filter(params, eqx.is_inexact_array)
+        return communication.bits_per_fragment(compressor, spec.fragments_of(arrays))
 
     init.__doc__ = streaming_init.__doc__
     step.__doc__ = streaming_step.__doc__
@@ -254,7 +267,7 @@ def diloco(
     has_aux: bool = False,
     exchange: Exchange | PostedExchange = communication.simulated_exchange,
     offload: bool = False,
-) -> Algorithm:
+) -> Algorithm[StreamingSpec]:
     """Vanilla DiLoCo (Douillard et al., 2023; Alg. 1): P = 1, τ = 0, α = 0, fp32.
 
     The same code path as `streaming_diloco`, with the whole model one fragment first
@@ -300,7 +313,7 @@ def streaming_init(
     frags = spec.fragments_of(params)
     check_matches(frags, params)
     arrays = eqx.filter(params, eqx.is_inexact_array)
-    layout = spec.layout_of(arrays)
+    layout = spec.layout(arrays)
     wide = jnp.result_type(*[_wide(x) for x in jax.tree.leaves(arrays)])
     replicas = replicate(params, spec.num_replicas)
     residual = None
@@ -312,11 +325,11 @@ def streaming_init(
         params,
         outer_init(spec.outer, arrays, frags.num_fragments),
     )
-    if spec.offload:
+    if spec.memory.offload:
         global_params, outer_state = _to_host((global_params, outer_state))
     outbox = inbox = None
     if spec.posted:
-        size = max(_message_bytes(spec, g, arrays) for g in layout.groups)
+        size = int(max(spec.message_bytes(arrays)))
         outbox = jnp.zeros((spec.num_replicas, layout.num_slots, size), jnp.uint8)
         inbox = jnp.zeros((layout.num_slots, spec.num_replicas, size), jnp.uint8)
     return StreamingState(
@@ -347,70 +360,53 @@ def streaming_step(
 
 def local_phase(
     spec: StreamingSpec, state: StreamingState, batch: Batch
-) -> tuple[StreamingState, dict]:
-    """The first half of a step, which needs nothing from other replicas: the inner
-    step and the sends (`inner_update`, `send`; the sends in a loop that runs only
-    when a fragment is due, `_gated`).
-
-    Returns:
-        The new state and what `sync_phase` needs to finish the step: the per-replica
-        losses (`loss/replicas`, `[M]`) and aux (`replicas/aux/...`), and which
-        fragments were sent (`sync/sent`).
-    """
+) -> tuple[StreamingState, LocalResult]:
+    """The half of a step that needs nothing from other replicas: `inner_update`,
+    then `send` (skipped when nothing is due, `_xla.run_if`)."""
     check_batch(batch, spec.num_replicas)
     state, losses, aux = inner_update(spec, state, batch)
-    sent = spec.schedule.sent(state.step)  # what `send` reports; all False if idle
-    state = _gated(jnp.any(sent), lambda s: send(spec, s)[0], state)
-    local = {"loss/replicas": losses, "sync/sent": sent}
-    local.update({f"replicas/aux/{k}": v for k, v in aux.items()})
-    return state, local
+    sent = spec.schedule.sent(state.step)
+    state = run_if(jnp.any(sent), lambda s: send(spec, s), state)
+    return state, LocalResult(losses, aux, sent)
 
 
 def sync_phase(
-    spec: StreamingSpec, state: StreamingState, local: dict
+    spec: StreamingSpec, state: StreamingState, local: LocalResult
 ) -> tuple[StreamingState, Metrics]:
-    """The second half of a step: `receive`, `outer_update`, `merge_arrivals` (in a
-    loop that runs only when something arrives, `_gated`), and the step's metrics.
-    A posted exchange's courier delivers the messages due at t between the two
-    halves, so they move while the inner step of t computes."""
-    losses, sent = local["loss/replicas"], local["sync/sent"]
-    prefix = "replicas/aux/"
-    aux = {k.removeprefix(prefix): v for k, v in local.items() if k.startswith(prefix)}
+    """The half of a step that needs every replica's outer gradient: `receive`,
+    `outer_update` and `merge_arrivals` (skipped when nothing arrives), and the
+    step's metrics. A courier delivers the messages due at t between the halves."""
 
-    def sync(state):
-        state = receive(spec, state)
-        state = outer_update(spec, state)[0]
+    def sync(state: StreamingState) -> StreamingState:
+        state = outer_update(spec, receive(spec, state))[0]
         return merge_arrivals(spec, state)[0]
 
     # A fragment received or stepped at t is merged at t by the replicas whose τ is
-    # τ_min, so a step where nobody merges has nothing else to do either. Which
-    # replicas merge is read off the schedule outside the loop (inside, XLA would
-    # split it over a mesh's replicas, and gather it back for the metrics).
+    # τ_min, so nothing else happens at a step where nobody merges.
+    # (`arriving` has no replica axis, which a mesh would split.)
     merged = spec.schedule.merge_due(state.step, state.sent_at)
     arriving = spec.schedule.arriving(state.step, state.sent_at)
-    state = _gated(jnp.any(arriving), sync, state)
-    # What `outer_update` applied, read off the state after the loop (`receive` may
-    # have set the finiteness flags): all False when nothing arrived.
+    state = run_if(jnp.any(arriving), sync, state)
     applied, failed = _outcome(spec, state)
-    if spec.offload:  # the outputs stay in host memory
+    if spec.memory.offload:  # the program's outputs stay in host memory
         state = state._replace(
             global_params=_to_host(state.global_params),
             outer_state=_to_host(state.outer_state),
         )
     frags = spec.fragments_of(eqx.filter(state.global_params, eqx.is_inexact_array))
-    bits = np.asarray(communication.bits_per_fragment(spec.compressor, frags), float)
+    bits = communication.bits_per_fragment(spec.compressor, frags).astype(np.float32)
     metrics = {
-        "loss/train": jnp.mean(losses),
-        "loss/replicas": losses,
-        "sync/sent": sent,
+        "loss/train": jnp.mean(local.losses),
+        "loss/replicas": local.losses,
+        "sync/sent": local.sent,
         "sync/applied": applied,
         "sync/merged": merged,
         "sync/nonfinite": failed,
         "nonfinite": jnp.any(failed),
-        "comm/bits": jnp.sum(jnp.where(sent, jnp.asarray(bits, jnp.float32), 0.0)),
+        "comm/bits": jnp.sum(jnp.where(local.sent, bits, 0.0)),
     }
-    metrics.update({f"aux/{k}": jnp.mean(v, axis=0) for k, v in aux.items()})
-    metrics.update({f"replicas/aux/{k}": v for k, v in aux.items()})
+    metrics.update({f"aux/{k}": jnp.mean(v, axis=0) for k, v in local.aux.items()})
+    metrics.update({f"replicas/aux/{k}": v for k, v in local.aux.items()})
     return state, metrics
 
 
@@ -436,133 +432,52 @@ def inner_update(
     return state, losses, aux
 
 
-def send(
-    spec: StreamingSpec, state: StreamingState
-) -> tuple[StreamingState, Bool[Array, " P"]]:
+def send(spec: StreamingSpec, state: StreamingState) -> StreamingState:
     """Send the fragments due at t = `state.step` (Alg. 2, l.6-8).
 
-    For each sent fragment, on its elements only: `Δ_m = θ_g − θ_m` per replica (plus
-    its error-feedback residual), compressed per replica and averaged over replicas in
-    float32 or wider, is stored in the fragment's in-flight slot, with `sent_at = t`
-    and whether it is finite. With a posted exchange, each replica's packed message
-    goes into the fragment's outbox slot instead (`receive` decodes and averages it).
-    Nothing else changes; a step that sends nothing computes nothing.
-
-    Returns:
-        The new state and which fragments were sent `[P]`.
+    For each sent fragment p, on its elements only: `Δ_m = θ_g − θ_m` per replica
+    (plus its error-feedback residual), exchanged (compressed per replica, averaged
+    over replicas in float32 or wider) into p's in-flight slot, with `sent_at[p] = t`
+    and whether Δ̄ is finite. With a posted exchange each replica's packed message
+    goes into p's outbox slot instead (`receive` decodes and averages it).
     """
+    layout = spec.layout(state.global_params)
     t = state.step
-    sent = spec.schedule.sent(t)
-    g_leaves = _leaves(state.global_params)
-    r_leaves = _leaves(state.replica_params)
-    layout = spec.layout_of(eqx.filter(state.global_params, eqx.is_inexact_array))
 
-    # Without a compressor the simulated exchange is elementwise: the mean over
-    # replicas of Δ_m, computed where it is stored.
-    elementwise = (
-        spec.compressor is None
-        and spec.exchange is communication.simulated_exchange
-        and not spec.error_feedback
-    )
-
-    def mean_delta(g, *replicas):  # a piece (or row) of θ_g and of each replica
-        # `average(outer_gradients(...))`, with each replica's row read on its own. A
-        # row read across the replica axis and then split per replica (`Δ[m]`) was
-        # slow on XLA:CPU when the row index is known only at run time (a group of
-        # several fragments): at P = 4 a send took 1.9-2.2 ms more than an
-        # inner-only step, and 0.3-0.6 ms this way.
-        g = spec.fetch(g)
-        deltas = [communication.outer_gradient(g, r) for r in replicas]
-        return communication.replica_mean(deltas)
-
-    def one(v, inputs, carry):
-        g_leaves, r_leaves = inputs
+    def one(v: Visit, inputs, carry):
+        g_leaves, r_leaves, key = inputs
         slots, ok, residual, outbox = carry
-        e = None if residual is None else v.group.gather(residual, v.j, axis=1)
-        key = jr.fold_in(jr.fold_in(state.key, t), v.p)
-        frags = v.group.piece_fragments()
-
-        def compute(g_touched, r_touched, j, e, key):
-            g, r = _read_pieces(spec, v.group, g_touched, r_touched, j)
-            deltas = communication.outer_gradients(g, r)
-            if e is not None:
-                deltas = [d + x for d, x in zip(deltas, e)]
-            if spec.compressor is None:
-                return exchange(deltas, key)
-            # A compressor reads Δ in several passes (a scale, then the codes): Δ is
-            # written out once, as the operand of a conditional (fused into those
-            # passes, the strided reads made an E3M0 send twice as slow on XLA:CPU).
-            if spec.exchange is not communication.simulated_exchange:
-                return v.isolated(exchange, deltas, key)
-            # On one device, each replica's Δ is its own operand: XLA:CPU copied a
-            # slice of a stacked Δ out before each of the compressor's reductions
-            # (E3M0 at P = 2: 0.0-1.0 ms less per send, two runs). A sharded
-            # exchange keeps the `[M, ...]` operand, split over the devices.
-            per_replica = [[d[m] for m in range(d.shape[0])] for d in deltas]
-            return v.isolated(_stacked(exchange), per_replica, key)
-
-        def exchange(deltas, key):
-            if spec.posted:
-                out, recon = spec.exchange.encode(spec.compressor, frags, deltas, key)
-                finite = jnp.ones((), bool)
-            else:
-                out, recon = spec.exchange(
-                    spec.compressor, frags, deltas, key, jnp.ones(1, bool)
-                )
-                finite = _finite(out)
-            errors = None if e is None else [d - q for d, q in zip(deltas, recon)]
-            return out, finite, errors
-
-        touched = (
-            [g_leaves[i] for i in v.group.leaves],
-            [r_leaves[i] for i in v.group.leaves],
-        )
-        if elementwise:  # Δ̄ written into the slot row by row, in place
-            per_replica = [[x[m] for x in touched[1]] for m in range(spec.num_replicas)]
-            slots = layout.write_rows(
-                slots,
-                v.group,
-                v.p,
-                v.j,
-                mean_delta,
-                (touched[0], *per_replica),
-                (0,) * (1 + spec.num_replicas),
-            )
-            # Read back from the slot (the values are no longer anywhere else);
-            # `isfinite`, as `_finite`'s sum would first copy the slot's row out.
-            row = layout.read(slots, v.group, v.p)
-            finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in row]))
-            return slots, ok.at[v.p].set(finite), residual, outbox
-        out, finite, errors = v.isolated(compute, *touched, v.j, e, key)
+        deltas = _outer_gradients(spec, v, g_leaves, r_leaves)
+        if residual is not None:  # error feedback: what the last sends left out
+            deltas = [d + e for d, e in zip(deltas, v.group.gather(residual, v.j, 1))]
+        frags, key = v.group.piece_fragments(), jr.fold_in(key, v.p)
         if spec.posted:
-            k = jnp.asarray(layout.slot_of)[v.p]
-            outbox = jax.lax.dynamic_update_slice(
-                outbox, out[:, None, :], (0 * k, k, 0 * k)
-            )
+            messages, own = spec.exchange.encode(spec.compressor, frags, deltas, key)
+            outbox = _write_message(layout, outbox, v.p, messages)
         else:
-            slots = layout.write(slots, v.group, v.p, out)
-            ok = ok.at[v.p].set(finite)
-        if errors is not None:
+            mean, own = spec.exchange(spec.compressor, frags, deltas, key)
+            slots = layout.write(slots, v.group, v.p, mean)
+            ok = ok.at[v.p].set(_finite(mean))
+        if residual is not None:
+            errors = [d - q for d, q in zip(deltas, own)]
             residual = v.group.scatter(residual, v.j, errors, axis=1)
         return slots, ok, residual, outbox
 
+    key = jr.fold_in(state.key, t)
+    inputs = (_leaves(state.global_params), _leaves(state.replica_params), key)
     residual = None if state.residual is None else jax.tree.leaves(state.residual)
-    slots, ok, residual, outbox = layout.for_each(
-        sent,
-        one,
-        (state.inflight, state.inflight_ok, residual, state.outbox),
-        (g_leaves, r_leaves),
-    )
-    state = state._replace(
-        outbox=outbox,
+    carry = (state.inflight, state.inflight_ok, residual, state.outbox)
+    sent = spec.schedule.sent(t)
+    slots, ok, residual, outbox = layout.for_each(sent, one, carry, inputs)
+    if residual is not None:
+        residual = jax.tree.unflatten(jax.tree.structure(state.residual), residual)
+    return state._replace(
         inflight=slots,
-        sent_at=jnp.where(sent, t, state.sent_at),
         inflight_ok=ok,
-        residual=None
-        if residual is None
-        else jax.tree.unflatten(jax.tree.structure(state.residual), residual),
+        sent_at=jnp.where(sent, t, state.sent_at),
+        residual=residual,
+        outbox=outbox,
     )
-    return state, sent
 
 
 def receive(spec: StreamingSpec, state: StreamingState) -> StreamingState:
@@ -576,33 +491,22 @@ def receive(spec: StreamingSpec, state: StreamingState) -> StreamingState:
     """
     if not spec.posted:
         return state
-    due = spec.schedule.outer_due(state.step, state.sent_at)
-    arrays = eqx.filter(state.global_params, eqx.is_inexact_array)
-    layout = spec.layout_of(arrays)
-    like = _leaves(arrays)
+    layout, like = spec.layout(state.global_params), _leaves(state.global_params)
+    exchange = cast(PostedExchange, spec.exchange)
 
-    def one(v, inbox, carry):
+    def one(v: Visit, inbox, carry):
         slots, ok = carry
-        deltas = _deltas_like(spec, v.group, like)
-        frags = v.group.piece_fragments()
-        size = spec.exchange.message_bytes(spec.compressor, frags, deltas, state.key)
+        deltas, frags = _deltas_like(spec, v.group, like), v.group.piece_fragments()
+        size = exchange.message_bytes(spec.compressor, frags, deltas, state.key)
         k = jnp.asarray(layout.slot_of)[v.p]
-        messages = jax.lax.dynamic_slice(
-            inbox, (k, 0 * k, 0 * k), (1, spec.num_replicas, size)
-        )[0]
+        messages = jax.lax.dynamic_index_in_dim(inbox, k, 0, keepdims=False)
+        messages = messages[:, :size]
+        mean = exchange.decode_mean(spec.compressor, frags, messages, deltas, state.key)
+        return layout.write(slots, v.group, v.p, mean), ok.at[v.p].set(_finite(mean))
 
-        def compute(messages):
-            mean = spec.exchange.decode_mean(
-                spec.compressor, frags, messages, deltas, state.key
-            )
-            return mean, _finite(mean)
-
-        mean, finite = v.isolated(compute, messages)
-        return layout.write(slots, v.group, v.p, mean), ok.at[v.p].set(finite)
-
-    slots, ok = layout.for_each(
-        due, one, (state.inflight, state.inflight_ok), state.inbox
-    )
+    due = spec.schedule.outer_due(state.step, state.sent_at)
+    carry = (state.inflight, state.inflight_ok)
+    slots, ok = layout.for_each(due, one, carry, state.inbox)
     return state._replace(inflight=slots, inflight_ok=ok)
 
 
@@ -620,36 +524,21 @@ def outer_update(
         with a non-finite outer gradient `[P]`.
     """
     applied, failed = _outcome(spec, state)
-    g_arrays, g_static = eqx.partition(state.global_params, eqx.is_inexact_array)
+    params, static = eqx.partition(state.global_params, eqx.is_inexact_array)
     if spec.nonfinite == "raise":
-        g_arrays = eqx.error_if(
-            g_arrays, jnp.any(failed), "non-finite outer gradient (nonfinite='raise')"
+        params = eqx.error_if(
+            params, jnp.any(failed), "non-finite outer gradient (nonfinite='raise')"
         )
-    layout = spec.layout_of(g_arrays)
-    # An elementwise outer optimizer takes the step a row at a time, in place.
-    elementwise = is_elementwise(spec.outer, g_arrays, state.outer_state)
+    layout = spec.layout(params)
 
-    def one(v, inflight, carry):
-        in_place = (~v.live).astype(jnp.int32) if elementwise else None
-        return fragment_outer_step(
-            spec.outer,
-            v.group,
-            v.j,
-            v.p,
-            *carry,
-            inflight,  # read inside the update: XLA fuses the read into it
-            spec.fetch,
-            spec.store,
-            v.isolated,
-            read_grad=lambda slots: layout.read(slots, v.group, v.p),
-            in_place=in_place,
-        )
+    def one(v: Visit, inflight, carry):
+        grads = layout.read(inflight, v.group, v.p)
+        return fragment_outer_step(spec.outer, v, *carry, grads, spec.memory)
 
-    g_arrays, outer_state = layout.for_each(
-        applied, one, (g_arrays, state.outer_state), state.inflight
-    )
+    carry = (params, state.outer_state)
+    params, outer_state = layout.for_each(applied, one, carry, state.inflight)
     state = state._replace(
-        global_params=eqx.combine(g_arrays, g_static), outer_state=outer_state
+        global_params=eqx.combine(params, static), outer_state=outer_state
     )
     return state, applied, failed
 
@@ -667,34 +556,25 @@ def merge_arrivals(
         The new state and which fragments each replica merged `[M, P]`.
     """
     merging = spec.schedule.merge_due(state.step, state.sent_at)
-    keep = state.inflight_ok
-    if spec.nonfinite == "apply":
-        keep = jnp.ones_like(keep)
-    g_leaves = _leaves(state.global_params)
-    r_arrays, r_static = eqx.partition(state.replica_params, eqx.is_inexact_array)
-    r_leaves, r_def = jax.tree.flatten(r_arrays)
-    layout = spec.layout_of(eqx.filter(state.global_params, eqx.is_inexact_array))
+    keep = state.inflight_ok | (spec.nonfinite == "apply")
+    layout = spec.layout(state.global_params)
+    replicas, static = eqx.partition(state.replica_params, eqx.is_inexact_array)
+    r_leaves, r_def = jax.tree.flatten(replicas)
 
-    def one(v, g_leaves, r_leaves):
+    def one(v: Visit, g_leaves, r_leaves):
+        g = [spec.memory.fetch(x) for x in v.group.gather(g_leaves, v.j)]
+        r = v.group.gather(r_leaves, v.j, axis=1)
         due, ok = merging[:, v.p], keep[v.p]
-
-        def mix(r, g):  # a piece, or a row of one, of every replica and of θ_g
-            shape = (-1,) + (1,) * g.ndim
-            g = spec.fetch(g)
-            return merge(r, g, due.reshape(shape), ok.reshape(shape[1:]), spec.alpha)
-
-        r_leaves, unknown_zero = list(r_leaves), (~v.live).astype(jnp.int32)
-        for k, i in enumerate(v.group.leaves):
-            r_leaves[i] = v.group.update_one(
-                k, r_leaves[i], v.j, mix, (g_leaves[i],), (1, 0), unknown_zero
-            )
-        return r_leaves
+        new = [
+            merge(ri, gi, due.reshape((-1,) + (1,) * gi.ndim), ok, spec.alpha)
+            for ri, gi in zip(r, g)
+        ]
+        return v.group.scatter(r_leaves, v.j, new, axis=1)
 
     arriving = spec.schedule.arriving(state.step, state.sent_at)
-    r_leaves = layout.for_each(arriving, one, r_leaves, g_leaves)
-    r_arrays = jax.tree.unflatten(r_def, r_leaves)
-    state = state._replace(replica_params=eqx.combine(r_arrays, r_static))
-    return state, merging
+    r_leaves = layout.for_each(arriving, one, r_leaves, _leaves(state.global_params))
+    replicas = eqx.combine(jax.tree.unflatten(r_def, r_leaves), static)
+    return state._replace(replica_params=replicas), merging
 
 
 def inflight_outer_gradients(spec: StreamingSpec, state: StreamingState) -> Params:
@@ -715,31 +595,15 @@ def inflight_outer_gradients(spec: StreamingSpec, state: StreamingState) -> Para
         )
     arrays = eqx.filter(state.global_params, eqx.is_inexact_array)
     leaves, treedef = jax.tree.flatten(arrays)
-    layout = spec.layout_of(arrays)
+    layout = spec.layout(arrays)
     in_flight = spec.schedule.in_flight(state.step, state.sent_at)
 
-    def one(v, inflight, out):
+    def one(v: Visit, inflight, out):
         return v.group.scatter(out, v.j, layout.read(inflight, v.group, v.p))
 
     out = [jnp.zeros(x.shape, state.inflight.dtype) for x in leaves]
     out = layout.for_each(in_flight, one, out, state.inflight)
     return jax.tree.unflatten(treedef, out)
-
-
-def message_bytes(spec: StreamingSpec, params: Params) -> np.ndarray:
-    """Bytes of one replica's packed message for each fragment (posted exchange).
-
-    Returns:
-        `[P]` int64: what each replica posts when it sends fragment p.
-    """
-    if not spec.posted:
-        raise ValueError(
-            f"message_bytes: exchange={spec.exchange!r} is not a posted exchange."
-        )
-    arrays = eqx.filter(params, eqx.is_inexact_array)
-    layout = spec.layout_of(arrays)
-    per_group = [_message_bytes(spec, g, arrays) for g in layout.groups]
-    return np.asarray([per_group[g] for g in layout.group_of], np.int64)
 
 
 def _check_options(alpha, nonfinite, compressor, error_feedback, fragments):
@@ -762,49 +626,20 @@ def _check_options(alpha, nonfinite, compressor, error_feedback, fragments):
     return compressor
 
 
-def _gated(
-    due: Bool[Array, ""],
-    fn: Callable[[StreamingState], StreamingState],
-    state: StreamingState,
-) -> StreamingState:
-    """`fn(state)` if `due`, else `state`.
-
-    A loop of 0 or 1 iteration, not a `lax.cond`: a while loop updates the state it
-    carries in place, where a conditional holding the parameters made XLA copy them
-    (`Layout.for_each`). Most steps sync nothing; they then run one loop condition
-    instead of the set-up of every group's loop in `send`, `outer_update` and
-    `merge_arrivals`. On the sync-heavy benchmark that was 41 XLA:CPU thunks
-    (770 in all instead of 811; the plain AdamW step has 713) and 0.55 ms of a
-    10 ms step (`benchmarks/compare_versions.py`). The barrier ties the body to the
-    iteration, so that XLA hoists none of it out of the loop.
-
-    The loop carries the state only: what a phase reports (which fragments were
-    sent, applied) is read off the schedule and the state outside it. A value
-    carried for the idle case would be one more small computation ready at the
-    start of the step, and XLA:CPU hands the work of a step to its thread pool
-    when more than 8 are ready at once (`benchmarks/README.md`).
-    """
-    dynamic, static = eqx.partition(state, eqx.is_array)
-
-    def body(carry):
-        dynamic = jax.lax.optimization_barrier(carry[1])
-        new = eqx.partition(fn(eqx.combine(dynamic, static)), eqx.is_array)[0]
-        return jnp.zeros_like(carry[0]), new
-
-    # The loop carries `due` itself as its condition rather than a counter, whose
-    # start (a constant) XLA would copy into the loop at every step.
-    dynamic = jax.lax.while_loop(lambda carry: carry[0], body, (due, dynamic))[1]
-    return eqx.combine(dynamic, static)
+def _outer_gradients(
+    spec: StreamingSpec, v: Visit, g_leaves: list[Array], r_leaves: list[Array]
+) -> list[Array]:
+    """Fragment `v`'s `Δ_m = θ_g − θ_m`, `[M, ...]` per piece, in the wide dtype."""
+    g = [spec.memory.fetch(x) for x in v.group.gather(g_leaves, v.j)]
+    r = v.group.gather(r_leaves, v.j, axis=1)
+    return communication.outer_gradients(g, r)
 
 
-def _stacked(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`fn(deltas, key)` called with each leaf's per-replica parts `[Δ_0, Δ_1, ...]`,
-    stacked into the `[M, ...]` array it takes (whose slices XLA reads from the parts)."""
-
-    def call(parts: list[list[Array]], key: PRNGKeyArray) -> Any:
-        return fn([jnp.stack(p) for p in parts], key)
-
-    return call
+def _write_message(layout: Layout, outbox: Array, p: Array, messages: Array) -> Array:
+    """`outbox` `[M, K, B]` with fragment p's messages `[M, b]` in p's slot."""
+    k = jnp.asarray(layout.slot_of)[p]
+    zero = jnp.zeros_like(k)
+    return jax.lax.dynamic_update_slice(outbox, messages[:, None, :], (zero, k, zero))
 
 
 def _outcome(
@@ -826,29 +661,11 @@ def _to_host(tree: Any) -> Any:
     )
 
 
-def _read_pieces(
-    spec: StreamingSpec,
-    group: Any,
-    g_touched: list[Array],
-    r_touched: list[Array],
-    j: Array,
-) -> tuple[list[Array], list[Array]]:
-    """Member j's pieces of θ_g's and of the replicas' touched leaves. Called inside
-    `Visit.isolated`, so that XLA fuses these reads into the work on them."""
-    g = [
-        spec.fetch(group.gather_one(k, x, j, fused=True))
-        for k, x in enumerate(g_touched)
-    ]
-    r = [group.gather_one(k, x, j, 1, fused=True) for k, x in enumerate(r_touched)]
-    return g, r
-
-
 def _finite(values: list[Array]) -> Array:
-    # x - x is 0 where x is finite and NaN where it is not; the sum cannot overflow.
-    return jnp.isfinite(sum(jnp.sum(v - v) for v in values))
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(v)) for v in values]))
 
 
-def _deltas_like(spec: StreamingSpec, group: Any, leaves: list[Array]) -> list[Any]:
+def _deltas_like(spec: StreamingSpec, group: Group, leaves: list[Any]) -> list[Any]:
     """Shapes and dtypes of a group's `[M, ...]` outer gradients."""
     return [
         jax.ShapeDtypeStruct((spec.num_replicas,) + shape, _wide(leaves[i]))
@@ -856,13 +673,12 @@ def _deltas_like(spec: StreamingSpec, group: Any, leaves: list[Array]) -> list[A
     ]
 
 
-def _message_bytes(spec: StreamingSpec, group: Any, arrays) -> int:
+def _message_bytes(spec: StreamingSpec, group: Group, leaves: list[Any]) -> int:
     """Bytes of one replica's packed message for a member of `group`."""
-    deltas = _deltas_like(spec, group, _leaves(arrays))
+    exchange = cast(PostedExchange, spec.exchange)
+    deltas = _deltas_like(spec, group, leaves)
     key = jnp.zeros((2,), jnp.uint32)
-    return spec.exchange.message_bytes(
-        spec.compressor, group.piece_fragments(), deltas, key
-    )
+    return exchange.message_bytes(spec.compressor, group.piece_fragments(), deltas, key)
 
 
 def _leaves(params: Params) -> list[Array]:

@@ -35,6 +35,24 @@ hypothesis.settings.register_profile(
 hypothesis.settings.load_profile(os.environ.get("SDILOCO_HYPOTHESIS_PROFILE", "dev"))
 
 
+HLO_JAX_VERSION = "0.10.2"
+"""The jax version the `hlo` tests were written for: they read the program XLA
+compiles (which collectives, loops and copies it holds), which another jax and XLA may
+lay out otherwise with no bug. On another version they are skipped, saying so."""
+
+
+def pytest_collection_modifyitems(config, items):
+    if jax.__version__ == HLO_JAX_VERSION:
+        return
+    skip = pytest.mark.skip(
+        reason=f"reads XLA's compiled program as jax {HLO_JAX_VERSION} lays it out "
+        f"(jax {jax.__version__} here)"
+    )
+    for item in items:
+        if "hlo" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture
 def getkey():
     """Return a function that hands out fresh, deterministic PRNG keys."""

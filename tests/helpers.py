@@ -48,35 +48,60 @@ def toy_batches(key, *, steps, replicas, batch=4, dim=3, dtype=jnp.float32):
     return [{"x": x[t], "y": y[t]} for t in range(steps)]
 
 
+def tree_difference(a, b, *, rtol=None, atol=None) -> str | None:
+    """None when two pytrees of arrays agree, else where they first differ and by how
+    much. Bitwise (NaNs equal) without tolerances; with them, `np.isclose`."""
+    flat_a, def_a = jax.tree_util.tree_flatten_with_path(a)
+    flat_b, def_b = jax.tree_util.tree_flatten_with_path(b)
+    if def_a != def_b:
+        return f"the structures differ:\n  {def_a}\n  {def_b}"
+    for (path, x), (_, y) in zip(flat_a, flat_b):
+        name, x, y = (
+            jax.tree_util.keystr(path) or "(root)",
+            np.asarray(x),
+            np.asarray(y),
+        )
+        if x.shape != y.shape or (rtol is None and x.dtype != y.dtype):
+            return f"leaf {name}: {x.dtype}{list(x.shape)} vs {y.dtype}{list(y.shape)}"
+        if rtol is None and x.dtype.kind in "fcV":  # bitwise, NaNs equal
+            width = f"u{x.itemsize}" if x.itemsize > 1 else "u1"
+            same = x.view(width) == y.view(width)
+        elif rtol is None:
+            same = x == y
+        else:
+            x64, y64 = x.astype(np.float64), y.astype(np.float64)
+            same = np.isclose(x64, y64, rtol=rtol, atol=atol, equal_nan=True)
+        if not np.all(same):
+            first = np.unravel_index(np.argmin(same), same.shape) if same.ndim else ()
+            gap = np.abs(x.astype(np.float64) - y.astype(np.float64))
+            return (
+                f"leaf {name}: {np.size(same) - np.count_nonzero(same)} of "
+                f"{np.size(same)} elements differ; first at {first}: {x[first]!r} vs "
+                f"{y[first]!r}; largest |difference| {np.nanmax(gap):.3g}"
+            )
+    return None
+
+
 def tree_equal(a, b) -> bool:
     """Bitwise equality of two pytrees of arrays (NaNs equal), same structure/dtypes."""
-    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
-    if jax.tree.structure(a) != jax.tree.structure(b) or len(la) != len(lb):
-        return False
-    for x, y in zip(la, lb):
-        x, y = np.asarray(x), np.asarray(y)
-        if x.shape != y.shape or x.dtype != y.dtype:
-            return False
-        if x.dtype.kind == "f" or x.dtype == jnp.bfloat16:
-            x, y = (
-                x.view(np.uint8 if x.itemsize == 1 else f"u{x.itemsize}"),
-                y.view(np.uint8 if y.itemsize == 1 else f"u{y.itemsize}"),
-            )
-        if not np.array_equal(x, y):
-            return False
-    return True
+    return tree_difference(a, b) is None
 
 
 def tree_allclose(a, b, *, rtol=1e-6, atol=1e-6) -> bool:
-    """Closeness of two pytrees of arrays with the same structure."""
-    if jax.tree.structure(a) != jax.tree.structure(b):
-        return False
-    return all(
-        np.allclose(
-            np.asarray(x, np.float64), np.asarray(y, np.float64), rtol=rtol, atol=atol
-        )
-        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
-    )
+    """Closeness of two pytrees of arrays with the same structure and dtypes."""
+    return tree_difference(a, b, rtol=rtol, atol=atol) is None
+
+
+def assert_trees_equal(a, b) -> None:
+    """Bitwise equality; the failure names the first differing leaf and the gap."""
+    difference = tree_difference(a, b)
+    assert difference is None, difference
+
+
+def assert_trees_allclose(a, b, *, rtol=1e-6, atol=1e-6) -> None:
+    """Closeness; the failure names the first differing leaf and the gap."""
+    difference = tree_difference(a, b, rtol=rtol, atol=atol)
+    assert difference is None, difference
 
 
 def arrays(tree):

@@ -171,6 +171,7 @@ def test_one_process_four_devices_equals_simulation(simulated):
     assert spec[0] == "replica" and "data" in spec
 
 
+@pytest.mark.hlo
 @pytest.mark.integration
 def test_compiled_collectives_per_axis():
     # The 2 x 2 mesh's compiled step: which collectives run over which axis.

@@ -9,19 +9,20 @@ import optax
 import pytest
 from helpers import (
     arrays,
+    assert_trees_allclose,
+    assert_trees_equal,
     relaxed,
     toy_batches,
     toy_loss,
     toy_params,
     toy_streaming,
     tree_allclose,
-    tree_equal,
 )
 from hypothesis import given, settings, strategies as st
 
 import sdiloco
-from sdiloco.inflight import make_layout
-from sdiloco.outer import fragment_outer_step, is_elementwise, merge, outer_init
+from sdiloco.inflight import Visit, make_layout
+from sdiloco.outer import fragment_outer_step, merge, outer_init
 from sdiloco.schedule import make_schedule
 
 
@@ -54,7 +55,8 @@ def outer_step(outer, frags, p, params, state, grad):
     group = layout.groups[layout.group_of[p]]
     j = jnp.asarray(layout.index_in_group[p])
     pieces = group.gather(jax.tree.leaves(grad), j)
-    return fragment_outer_step(outer, group, j, jnp.int32(p), params, state, pieces)
+    visit = Visit(group, j, jnp.int32(p))
+    return fragment_outer_step(outer, visit, params, state, pieces)
 
 
 def _element_masks(frags, selected):
@@ -135,97 +137,6 @@ def test_outer_step_equals_optax_on_the_fragment():
         jax.tree.leaves(params), jax.tree.leaves(ref), _element_masks(frags, sel)
     ):
         np.testing.assert_allclose(np.asarray(x)[m], np.asarray(r)[m], rtol=1e-6)
-
-
-ELEMENTWISE_OUTER = {
-    "nesterov": optax.sgd(0.4, momentum=0.9, nesterov=True),
-    "adam": optax.adam(0.1),
-    "adamw": optax.adamw(0.1, weight_decay=0.1),
-    "lion": optax.lion(0.05),
-    "clip+adam": optax.chain(optax.clip(0.5), optax.scale_by_adam(), optax.sgd(0.3)),
-    "scheduled": optax.adam(optax.cosine_decay_schedule(0.1, 10)),
-}
-
-
-@given(
-    name=st.sampled_from(sorted(ELEMENTWISE_OUTER)),
-    p=st.integers(0, 4),
-    pattern=st.sampled_from(["strided", "sequential"]),
-    k=st.sampled_from([1, 2]),
-    seed=st.integers(0, 2**16),
-)
-@settings(max_examples=12, deadline=None)
-def test_outer_step_in_place_matches_the_pieces_path(name, p, pattern, k, seed):
-    """An elementwise outer optimizer's step taken a row at a time
-    (`fragment_outer_step(..., in_place=...)`) gives the numbers of the step on the
-    gathered pieces, which `test_outer_step_equals_optax_on_the_fragment` checks
-    against optax itself, over three steps, so that moments and counts matter:
-    bitwise for SGD with Nesterov momentum (the default: additions and products,
-    correctly rounded), to the last bit otherwise (XLA:CPU's square root rounds
-    some elements differently in arrays of different shapes)."""
-    outer = relaxed(ELEMENTWISE_OUTER[name])
-    params = arrays(toy_params(jr.key(seed), layers=4))
-    frags = _frags(params, k, pattern)
-    p = p % frags.num_fragments
-    layout = make_layout(frags, make_schedule(8, frags.num_fragments, 1))
-    group = layout.groups[layout.group_of[p]]
-    j = jnp.asarray(layout.index_in_group[p])
-    state = outer_init(outer, params, frags.num_fragments)
-    assert is_elementwise(outer, params, state)
-
-    @jax.jit
-    def step(params, state, grad, in_place):
-        pieces = group.gather(jax.tree.leaves(grad), j)
-        return fragment_outer_step(
-            outer, group, j, jnp.int32(p), params, state, pieces, in_place=in_place
-        )
-
-    a = b = (params, state)
-    for t in range(3):
-        grad = jax.tree.map(
-            lambda x, t=t: jr.normal(jr.key(seed + t + 1), x.shape), params
-        )
-        a = step(*a, grad, None)
-        b = step(*b, grad, jnp.int32(0))
-    if name == "nesterov":
-        assert tree_equal(a, b)
-    assert tree_allclose(a, b, rtol=1e-6, atol=1e-7)
-    assert not tree_equal(a[0], params)  # the fragment moved
-
-
-@pytest.mark.parametrize(
-    "outer,expected",
-    [
-        (optax.sgd(0.1), True),
-        (optax.sgd(0.4, momentum=0.9, nesterov=True), True),
-        (optax.adamw(1e-3), True),
-        (optax.chain(optax.clip(1.0), optax.sgd(0.1)), True),
-        (optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1)), False),
-        (optax.chain(optax.centralize(), optax.sgd(0.1)), False),
-        (optax.adafactor(1e-3), False),
-        (optax.lamb(1e-3), False),
-    ],
-)
-def test_is_elementwise_tells_reductions_and_factored_state_apart(outer, expected):
-    """A transform that reduces over a parameter (global-norm clipping, centring,
-    LAMB's trust ratio) or keeps factored state (Adafactor) is not elementwise, so its
-    outer step is never taken row by row."""
-    params = {"w": jnp.ones((4, 3)), "b": jnp.ones((5,)), "s": jnp.ones((2, 3, 3))}
-    outer = relaxed(outer)
-    assert is_elementwise(outer, params, outer_init(outer, params, 3)) is expected
-
-
-def test_is_elementwise_rejects_an_update_that_reads_the_shape():
-    """Elementwise operations with a constant taken from the parameter's shape (a
-    scale by 1/size, as fan-in scalings do) give other numbers on a row than on the
-    whole parameter: not elementwise."""
-
-    def by_size():
-        return optax.stateless(lambda g, p: jax.tree.map(lambda x: x / x.size, g))
-
-    params = {"w": jnp.ones((4, 3)), "s": jnp.ones((2, 3, 3))}
-    for outer, expected in ((by_size(), False), (optax.sgd(0.1), True)):
-        assert is_elementwise(outer, params, outer_init(outer, params, 2)) is expected
 
 
 @given(alpha=st.sampled_from([0.0, 0.25, 0.5, 1.0]), seed=st.integers(0, 2**16))
@@ -324,7 +235,7 @@ def test_alpha_one_means_independent_replicas():
             g = jax.grad(toy_loss)(p, jax.tree.map(lambda x: x[m], b))
             u, s = inner.update(g, s, p)
             p = optax.apply_updates(p, u)
-        assert tree_allclose(
+        assert_trees_allclose(
             sdiloco.replica_params(history[-1], m), p, rtol=1e-5, atol=1e-6
         )
 
@@ -339,7 +250,9 @@ def test_global_invariant_to_replica_permutation():
     alg = toy_streaming(params, num_replicas=M, compressor=sdiloco.quantizer("e3m0"))
     a, _ = _run(alg, params, batches)
     b, _ = _run(alg, params, permuted)
-    assert tree_allclose(a[-1].global_params, b[-1].global_params, rtol=1e-5, atol=1e-6)
+    assert_trees_allclose(
+        a[-1].global_params, b[-1].global_params, rtol=1e-5, atol=1e-6
+    )
     assert not tree_allclose(a[-1].global_params, params)
 
 
@@ -374,8 +287,8 @@ def test_diloco_equals_direct_implementation():
     )
     history, metrics = _run(alg, params, batches)
     g, reps = _direct_diloco(params, batches, 4, inner, outer)
-    assert tree_allclose(history[-1].global_params, g, rtol=1e-5, atol=1e-6)
-    assert tree_allclose(
+    assert_trees_allclose(history[-1].global_params, g, rtol=1e-5, atol=1e-6)
+    assert_trees_allclose(
         sdiloco.replica_params(history[-1], 1), reps[1], rtol=1e-5, atol=1e-6
     )
     assert [bool(m["sync/applied"][0]) for m in metrics] == [
@@ -403,7 +316,7 @@ def test_single_replica_plain_outer_sgd_is_inner_training():
         g = jax.grad(toy_loss)(p, jax.tree.map(lambda x: x[0], b))
         u, s = inner.update(g, s, p)
         p = optax.apply_updates(p, u)
-    assert tree_allclose(
+    assert_trees_allclose(
         sdiloco.replica_params(history[-1], 0), p, rtol=1e-5, atol=1e-6
     )
 
@@ -424,7 +337,9 @@ def test_h1_sgd_equals_data_parallel():
     dp = sdiloco.data_parallel(toy_loss, inner=inner, num_replicas=M)
     a, _ = _run(alg, params, batches)
     b, metrics = _run(dp, params, batches)
-    assert tree_allclose(a[-1].global_params, b[-1].global_params, rtol=1e-5, atol=1e-6)
+    assert_trees_allclose(
+        a[-1].global_params, b[-1].global_params, rtol=1e-5, atol=1e-6
+    )
     n = sum(x.size for x in jax.tree.leaves(params))
     assert float(metrics[0]["comm/bits"]) == 16 * n
 
@@ -523,7 +438,7 @@ def test_nonfinite_outer_gradient_is_skipped_and_restored(tau, layers_per_fragme
         # Several fragments: restoring one fragment cannot heal a replica whose other
         # fragments are NaN, so every round fails and theta_g never moves.
         assert failed.sum() == (applied | failed).sum() and not applied.any()
-        assert tree_equal(history[-1].global_params, params)
+        assert_trees_equal(history[-1].global_params, params)
 
 
 def test_nonfinite_raise_policy():

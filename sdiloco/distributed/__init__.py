@@ -12,6 +12,7 @@ One concept per module:
 
 from .courier import (
     Courier as Courier,
+    CourierError as CourierError,
     courier_meshes as courier_meshes,
     posted_exchange as posted_exchange,
 )

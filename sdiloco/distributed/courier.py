@@ -44,10 +44,12 @@ it again.
 """
 
 import concurrent.futures
+import contextlib
 import functools
+import threading
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -58,11 +60,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, PRNGKeyArray
 
 from .. import communication
-from ..base import Algorithm, PostedExchange, jit_step
+from ..base import Algorithm, JittedStep, PostedExchange
 from ..compression import Compressor
 from ..fragments import Fragments
-from ..streaming import local_phase, message_bytes, sync_phase
-from .exchange import _assemble, replica_keys
+from ..streaming import StreamingSpec, local_phase, sync_phase
+from .exchange import assemble, replica_keys
 from .mesh import AXIS, replica_mesh, sharded_step
 from .wire import Wire
 
@@ -102,7 +104,7 @@ class _Posted:
 
         def local(deltas, keys):
             messages = jax.vmap(wire.encode)(deltas, keys)
-            own = _assemble([wire], fragments, [jax.vmap(wire.decode)(messages)])
+            own = assemble([wire], fragments, [jax.vmap(wire.decode)(messages)])
             return messages, own
 
         if self.mesh is None:
@@ -125,7 +127,7 @@ class _Posted:
         key: PRNGKeyArray,
     ) -> list[Array]:
         wire, _ = self._wire(compressor, fragments, deltas, key)
-        recon = _assemble([wire], fragments, [jax.vmap(wire.decode)(messages)])
+        recon = assemble([wire], fragments, [jax.vmap(wire.decode)(messages)])
         return communication.average(recon)
 
 
@@ -216,23 +218,40 @@ def courier_meshes(
     return mesh, comm
 
 
+class CourierError(RuntimeError):
+    """A fragment's messages failed to arrive, or did not arrive in time."""
+
+
 class Courier:
     """Runs a posted algorithm's steps and moves its messages between them.
 
-    `state, metrics = courier(state, batch)` is one training step, as two jitted,
-    state-donating programs: the step's first half (`streaming.local_phase`: the
-    inner step and the encoding of what is sent) is dispatched; then the messages due
-    at this step are put into the inbox (waiting only for those still on the way,
-    while that inner step computes); then the second half (`streaming.sync_phase`:
-    decode, outer step, merge) is dispatched, and the messages of the fragments this
-    step sent start moving. `events` records, per message, when it was posted,
-    when it had arrived and how long the training loop waited for it (seconds of
+    `state, metrics = courier(state, batch)` is one training step, as two jitted
+    programs: the step's first half (`streaming.local_phase`: the inner step and the
+    encoding of what is sent) is dispatched; then the messages due at this step are
+    put into the inbox (waiting only for those still on the way, while that inner
+    step computes); then the second half (`streaming.sync_phase`: decode, outer
+    step, merge) is dispatched, and the messages of the fragments this step sent
+    start moving. `events` records, per message, when it was posted, when it had
+    arrived and how long the training loop waited for it (seconds of
     `time.perf_counter`).
 
-    A collective of your own between the same processes (an evaluation gathered over
-    the mesh, `multihost_utils`, a checkpoint barrier) must not run while a message
-    moves: XLA:CPU's gloo collectives fail when two threads run them at once. Call
-    `drain()` first (`Placement` does, and `host` does).
+    Failures. Every wait is bounded by `timeout` seconds; a message that does not
+    arrive in time, or whose transfer fails, raises a `CourierError` naming the
+    fragment, the steps and the peer processes. The state passed in is then intact:
+    at a step whose messages are still on the way the first program does not donate
+    it, so the caller can checkpoint it or stop. Use the courier as a context
+    manager (`with Courier(...) as courier:`): leaving it waits for the transfers
+    (bounded) and stops its thread, also on an error.
+
+    The step counter. The courier counts steps on the host; given a state it did not
+    return (a restored checkpoint), it reads t and the fragments in flight off that
+    state and posts them again, so the two cannot disagree.
+
+    Collectives. XLA:CPU's gloo collectives between the same processes must not run
+    from two threads at once. The courier's thread holds `lock` while its all-gather
+    runs; a collective of your own (an evaluation gathered over the mesh, a
+    checkpoint barrier) runs inside `with courier.exclusive():`, which holds it too
+    (`lab.cluster.Placement` does this for the training loop).
 
     Args:
         algorithm: built with `exchange=posted_exchange(mesh)`.
@@ -241,6 +260,7 @@ class Courier:
         comm_mesh: one communication device per process (`courier_meshes`); needed
             with a mesh.
         fsdp: as `sharded_step`.
+        timeout: seconds a step waits for a message before it raises.
     """
 
     def __init__(
@@ -250,9 +270,10 @@ class Courier:
         comm_mesh: Mesh | None = None,
         *,
         fsdp: bool = False,
+        timeout: float = 600.0,
     ):
         spec = algorithm.spec
-        if spec is None or not spec.posted:
+        if not isinstance(spec, StreamingSpec) or not spec.posted:
             raise ValueError(
                 "algorithm: a Courier needs a DiLoCo-family algorithm built with "
                 "exchange=distributed.posted_exchange(...)."
@@ -263,60 +284,81 @@ class Courier:
                 f"{comm_mesh is not None and 'given'}; allowed: both (courier_meshes) "
                 "or neither (the simulation)."
             )
-        self.algorithm, self.spec = algorithm, spec
-        self.mesh, self.comm_mesh = mesh, comm_mesh
+        self.spec, self.mesh, self.comm_mesh = spec, mesh, comm_mesh
+        self.timeout = timeout
         self.events: list[dict[str, Any]] = []
-        self._pending: dict[int, list[tuple[int, int, Any, dict]]] = {}
+        self.lock = threading.Lock()
+        self.failed = False  # a message failed or timed out (a CourierError raised)
+        self._pending: dict[int, list[_Message]] = {}
         self._t: int | None = None
-        self._sizes: np.ndarray | None = None
-
-        def first(state, batch):
-            return local_phase(spec, state, batch)
-
-        def second(state, local):
-            return sync_phase(spec, state, local)
-
-        if mesh is None:
-            self.programs = (jit_step(first), jit_step(second))
-            self._pool = None
-        else:
-            self.programs = tuple(
-                sharded_step(f, mesh, fsdp=fsdp, metrics="local")
-                for f in (first, second)
-            )
+        self._last: Any = None
+        self.programs = _programs(spec, mesh, fsdp, donate=True)
+        self._keeping = _programs(spec, mesh, fsdp, donate=False)[0]
+        self._pool = None
+        if comm_mesh is not None:
             self._pool = concurrent.futures.ThreadPoolExecutor(
                 1, thread_name_prefix="sdiloco-courier"
             )
             whole = NamedSharding(comm_mesh, PartitionSpec())
             self._gather = jax.jit(lambda x: x, out_shardings=whole)
 
-    # ------------------------------------------------------------------ public
+    def __enter__(self) -> "Courier":
+        return self
+
+    def __exit__(self, kind: Any, *exc: Any) -> None:
+        if kind is None:
+            self.close()
+        else:  # an error is on its way: do not wait, nor hide it
+            self.stop()
 
     def __call__(self, state: Any, batch: Any) -> tuple[Any, Any]:
         """One step: its inner half, the delivery of what is due, its sync half,
         then the posting of what it sent."""
-        if self._t is None:
-            state = self._start(state)
+        if state is not self._last:  # a state this courier did not return
+            self._start(state)
+        assert self._t is not None
         t = self._t + 1
-        state, local = self.programs[0](state, batch)
-        state = self._deliver(state, t)
-        state, metrics = self.programs[1](state, local)
-        self._post(state, t)
-        self._t = t
-        return state, metrics
+        due = self._pending.get(t, [])
+        waiting = [m for m in due if not _done(m.future)]
+        for m in due:
+            if m not in waiting:  # arrived or failed already: fail before any compute
+                self._result(m, t)
+        first = self._keeping if waiting else self.programs[0]
+        mid, local = first(state, batch)
+        mid = self._deliver(mid, t)  # may raise: `state` is still valid then
+        new, metrics = self.programs[1](mid, local)
+        self._post(new, t)
+        self._t, self._last = t, new
+        return new, metrics
 
     def drain(self) -> None:
-        """Wait until every message posted so far has arrived."""
+        """Wait (each message at most `timeout` seconds) for every message posted."""
         for items in self._pending.values():
-            for *_, future, _ in items:
-                if isinstance(future, concurrent.futures.Future):
-                    future.result()
+            for m in items:
+                self._result(m, m.arrival)
 
     def close(self) -> None:
-        """Wait for the transfers in progress and stop the courier's thread."""
-        self.drain()
+        """Wait for the transfers in progress (bounded), then `stop`; after a
+        `CourierError` (already raised), stop without waiting."""
+        try:
+            if not self.failed:
+                self.drain()
+        finally:
+            self.stop()
+
+    def stop(self) -> None:
+        """Stop the courier's thread without waiting (a transfer stuck on a dead
+        link is abandoned). Idempotent."""
         if self._pool is not None:
-            self._pool.shutdown(wait=True)
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Hold the courier's lock: no courier collective runs meanwhile. Block on
+        the results of your own collective inside the block."""
+        with self.lock:
+            yield
 
     def host(self, metrics: Any) -> Any:
         """Metrics as NumPy, with the means over replicas added back.
@@ -326,93 +368,94 @@ class Courier:
         per-replica values are gathered from every process in one collective: call
         it where the loop flushes its logs, not every step.
         """
-        split = [
-            x
-            for x in jax.tree.leaves(metrics)
-            if isinstance(x, jax.Array) and not x.is_fully_addressable
-        ]
-        gathered = {}
-        if split:
-            self.drain()  # gloo collectives must not overlap the courier's
-            whole = [x for x in split if x.is_fully_replicated]
-            parts = [x for x in split if not x.is_fully_replicated]
-            every = multihost_utils.process_allgather(parts, tiled=True)
-            gathered = {id(x): y for x, y in zip(parts, every)}
-            gathered.update({id(x): x.addressable_data(0) for x in whole})
-        out = jax.device_get(jax.tree.map(lambda x: gathered.get(id(x), x), metrics))
-
-        def add_means(node):
-            if isinstance(node, dict):
-                if "loss/train" not in node and "loss/replicas" in node:
-                    node = dict(node)
-                    node["loss/train"] = np.mean(node["loss/replicas"], axis=0)
-                    for k in [k for k in node if k.startswith("replicas/aux/")]:
-                        name = "aux/" + k.removeprefix("replicas/aux/")
-                        node[name] = np.mean(node[k], axis=0)
-                return node
-            if isinstance(node, list | tuple):
-                return type(node)(add_means(x) for x in node)
-            return node
-
-        return add_means(out)
+        with self.exclusive():
+            return _add_means(jax.device_get(_gather_split(metrics)))
 
     # ------------------------------------------------------------------ helpers
 
-    def _start(self, state: Any) -> Any:
+    def _start(self, state: Any) -> None:
         """Read t off the state and post again every fragment still in flight."""
+        self.drain()
+        self._pending = {}
         arrays = eqx.filter(state.global_params, eqx.is_inexact_array)
-        self._sizes = message_bytes(self.spec, arrays)
-        self._layout = self.spec.layout_of(arrays)
-        step = int(_read(state.step))
-        sent_at = np.asarray(_read(state.sent_at))
-        tau = min(self.spec.schedule.overlap)
+        self._sizes = self.spec.message_bytes(arrays)
+        self._slots = self.spec.layout(arrays).slot_of
+        step, sent_at = int(_read(state.step)), np.asarray(_read(state.sent_at))
         self._t = step
+        tau = self.spec.schedule.min_overlap
         for p in np.flatnonzero(self.spec.schedule.in_flight(step, sent_at)):
-            self._post_one(state, int(p), int(sent_at[p]) + tau)
-        return state
+            self._post_one(state, int(p), int(sent_at[p]), int(sent_at[p]) + tau)
 
     def _post(self, state: Any, t: int) -> None:
-        tau = min(self.spec.schedule.overlap)
         for p in np.flatnonzero(self.spec.schedule.sent(t)):
-            self._post_one(state, int(p), t + tau)
+            self._post_one(state, int(p), t, t + self.spec.schedule.min_overlap)
 
-    def _post_one(self, state: Any, p: int, arrival: int) -> None:
-        k, size = int(self._layout.slot_of[p]), int(self._sizes[p])
+    def _post_one(self, state: Any, p: int, sent: int, arrival: int) -> None:
+        k, size = int(self._slots[p]), int(self._sizes[p])
         event = {"fragment": p, "arrival_step": arrival, "bytes": size}
         event["posted"] = time.perf_counter()
-        if self.mesh is None:
+        if self._pool is None:
             future = _take(state.outbox, k, size, None)
         else:
-            x = _take(
-                state.outbox, k, size, NamedSharding(self.mesh, PartitionSpec(AXIS))
-            )
-            x = self._to_comm(x)
+            assert self.mesh is not None
+            split = NamedSharding(self.mesh, PartitionSpec(AXIS))
+            x = self._to_comm(_take(state.outbox, k, size, split))
             future = self._pool.submit(self._move, x, event)
-        self._pending.setdefault(arrival, []).append((k, size, future, event))
+        message = _Message(p, k, size, sent, arrival, future, event)
+        self._pending.setdefault(arrival, []).append(message)
         self.events.append(event)
 
     def _move(self, x: Array, event: dict) -> Array:
         """On the courier's thread: the all-gather, until the bytes have arrived."""
-        event["started"] = time.perf_counter()
-        out = self._gather(x)
-        out.block_until_ready()
+        with self.lock:
+            event["started"] = time.perf_counter()
+            out = self._gather(x)
+            out.block_until_ready()
         event["arrived"] = time.perf_counter()
         return out
 
+    def _result(self, m: "_Message", t: int) -> Any:
+        """Message m's messages, waiting at most `timeout`; a `CourierError` if the
+        transfer failed or timed out."""
+        if not isinstance(m.future, concurrent.futures.Future):
+            return m.future
+        what = f"fragment {m.fragment} (sent at step {m.sent}, due at step {t})"
+        try:
+            return m.future.result(timeout=self.timeout)
+        except concurrent.futures.TimeoutError:
+            self.failed = True
+            raise CourierError(
+                f"{what}: the messages of processes {self._peers()} did not arrive "
+                f"within timeout={self.timeout} s"
+            ) from None
+        except Exception as error:
+            self.failed = True
+            raise CourierError(
+                f"{what}: the transfer with processes {self._peers()} failed: {error}"
+            ) from error
+
     def _deliver(self, state: Any, t: int) -> Any:
-        for k, size, future, event in self._pending.pop(t, []):
+        for m in self._pending.get(t, []):
             start = time.perf_counter()
-            if self.mesh is None:
-                messages, whole = future, None
-            else:
-                messages = self._from_comm(future.result())
+            messages, whole = self._result(m, t), None
+            if self.mesh is not None:
+                messages = self._from_comm(messages)
                 whole = NamedSharding(self.mesh, PartitionSpec())
-            event["waited"] = time.perf_counter() - start
-            state = state._replace(inbox=_put(state.inbox, messages, k, size, whole))
+            m.event["waited"] = time.perf_counter() - start
+            state = state._replace(
+                inbox=_put(state.inbox, messages, m.slot, m.size, whole)
+            )
+        self._pending.pop(t, None)
         return state
+
+    def _peers(self) -> list[int]:
+        if self.comm_mesh is None:
+            return [jax.process_index()]
+        return sorted({d.process_index for d in self.comm_mesh.devices.flat})
 
     def _to_comm(self, x: Array) -> Array:
         """This process's replicas' messages, on its communication device."""
+        assert self.comm_mesh is not None
         me = jax.process_index()
         (dev,) = [d for d in self.comm_mesh.devices.flat if d.process_index == me]
         shards = sorted(
@@ -431,6 +474,74 @@ class Courier:
         devices = sharding.addressable_devices
         parts = [jax.device_put(local, d) for d in devices]
         return jax.make_array_from_single_device_arrays(out.shape, sharding, parts)
+
+
+class _Message(NamedTuple):
+    """One fragment's messages on their way: where they go, and their transfer."""
+
+    fragment: int
+    slot: int
+    size: int
+    sent: int
+    arrival: int
+    future: Any  # a Future of the gathered messages (a mesh), or the array itself
+    event: dict
+
+
+def _programs(spec: StreamingSpec, mesh: Mesh | None, fsdp: bool, donate: bool):
+    """The step's two halves, jitted (on the mesh, with per-replica metrics)."""
+
+    def first(state, batch):
+        return local_phase(spec, state, batch)
+
+    def second(state, local):
+        return sync_phase(spec, state, local)
+
+    if mesh is None:
+        return tuple(
+            JittedStep(f, donate=donate, copy_first=donate) for f in (first, second)
+        )
+    return tuple(
+        sharded_step(f, mesh, fsdp=fsdp, metrics="local", donate=donate)
+        for f in (first, second)
+    )
+
+
+def _done(future: Any) -> bool:
+    return not isinstance(future, concurrent.futures.Future) or future.done()
+
+
+def _gather_split(metrics: Any) -> Any:
+    """`metrics` with every array split across processes gathered (one collective)."""
+    split = [
+        x
+        for x in jax.tree.leaves(metrics)
+        if isinstance(x, jax.Array) and not x.is_fully_addressable
+    ]
+    if not split:
+        return metrics
+    whole = [x for x in split if x.is_fully_replicated]
+    parts = [x for x in split if not x.is_fully_replicated]
+    every = multihost_utils.process_allgather(parts, tiled=True)
+    gathered = {id(x): y for x, y in zip(parts, every)}
+    gathered.update({id(x): x.addressable_data(0) for x in whole})
+    return jax.tree.map(lambda x: gathered.get(id(x), x), metrics)
+
+
+def _add_means(node: Any) -> Any:
+    """Metrics dicts (anywhere in `node`) with their means over replicas added."""
+    if isinstance(node, dict):
+        if "loss/train" not in node and "loss/replicas" in node:
+            node = dict(node)
+            node["loss/train"] = np.mean(node["loss/replicas"], axis=0)
+            for k in [k for k in node if k.startswith("replicas/aux/")]:
+                node["aux/" + k.removeprefix("replicas/aux/")] = np.mean(
+                    node[k], axis=0
+                )
+        return node
+    if isinstance(node, list | tuple):
+        return type(node)(_add_means(x) for x in node)
+    return node
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -29,9 +29,6 @@ This differs from a production setup in:
 2. Value-dropping compressors (`dare`, `top_k`, `fed_dropout`) and `compressor=None`
    send their dense reconstruction (the wide dtype, 32 bits per element), not a sparse
    encoding: their `bits_per_fragment` describes an ideal wire, not this one.
-3. Only fragments selected by the `sent` mask travel when the caller passes it; a
-   caller that does not (the plain 4-argument hook) exchanges every fragment at each
-   sync, P times the bytes of one fragment.
 """
 
 import functools as ft
@@ -42,7 +39,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
-from jaxtyping import Array, Bool, PRNGKeyArray
+from jaxtyping import Array, PRNGKeyArray
 
 from .. import communication
 from ..compression import Compressor
@@ -54,12 +51,11 @@ from .wire import Wire
 def sharded_exchange(mesh: Mesh) -> Callable[..., tuple[list[Array], list[Array]]]:
     """The exchange of outer gradients between replicas sharded over `mesh`.
 
-    Pass it as `streaming_diloco(..., exchange=sharded_exchange(mesh))`. It has the
-    signature and the results of `communication.simulated_exchange`, plus an optional
-    `sent` mask (`[P]` bool): when given, only the fragments it selects are exchanged
-    (one `lax.cond` per fragment) and the others come back as zeros.
+    Pass it as `streaming_diloco(..., exchange=sharded_exchange(mesh))`: a
+    `base.Exchange`, with the results of `communication.simulated_exchange`. The step
+    calls it once per fragment it sends, with that fragment's pieces.
 
-    Inside `jax.shard_map` over `"replica"`, for each fragment p (Alg. 2, l.7-8):
+    Inside `jax.shard_map` over `"replica"`, for each of `fragments` (Alg. 2, l.7-8):
 
     1. each replica encodes its own Δ, group by group (a whole leaf, or one row of a
        leaf labelled per row), with the same PRNG keys as `communication.compress`:
@@ -77,7 +73,7 @@ def sharded_exchange(mesh: Mesh) -> Callable[..., tuple[list[Array], list[Array]
         mesh: the replica mesh (`replica_mesh`).
 
     Returns:
-        `exchange(compressor, fragments, deltas, key, sent=None) -> (mean, own)`:
+        `exchange(compressor, fragments, deltas, key) -> (mean, own)`:
         `mean` is one replicated `[...]` array per leaf, `own` the `[M, ...]`
         reconstructions, sharded like the deltas (what error feedback subtracts).
     """
@@ -87,7 +83,6 @@ def sharded_exchange(mesh: Mesh) -> Callable[..., tuple[list[Array], list[Array]
         fragments: Fragments,
         deltas: list[Array],
         key: PRNGKeyArray,
-        sent: Bool[Array, " P"] | None = None,
     ) -> tuple[list[Array], list[Array]]:
         num_replicas = deltas[0].shape[0]
         if num_replicas % mesh.shape[AXIS]:
@@ -100,23 +95,15 @@ def sharded_exchange(mesh: Mesh) -> Callable[..., tuple[list[Array], list[Array]
             Wire(compressor, fragments, deltas, keys, p)
             for p in range(fragments.num_fragments)
         ]
-        local = ft.partial(
-            _exchange_local,
-            wires,
-            fragments,
-            num_replicas,
-            sent is None,
-            mesh.shape[DATA],
-        )
+        local = ft.partial(_exchange_local, wires, fragments, mesh.shape[DATA])
         split, whole = PartitionSpec(AXIS), PartitionSpec()
-        flags = jnp.ones((), bool) if sent is None else sent
         return jax.shard_map(
             local,
             mesh=mesh,
-            in_specs=(split, split, whole),
+            in_specs=(split, split),
             out_specs=(whole, split),
             check_vma=False,
-        )(deltas, keys, flags)
+        )(deltas, keys)
 
     return exchange
 
@@ -130,35 +117,16 @@ def replica_keys(key: PRNGKeyArray, num_leaves: int, num_replicas: int) -> list[
     return [jr.split(jr.fold_in(key, i), num_replicas) for i in range(num_leaves)]
 
 
-def _exchange_local(wires, fragments, num_replicas, send_all, data, deltas, keys, sent):
+def _exchange_local(wires, fragments, data, deltas, keys):
     """Per device: encode local replicas, all-gather, decode all, average (Alg. 2 l.8)."""
     local = deltas[0].shape[0]
-
-    def send(p, deltas, keys):
-        wire = wires[p]
+    pieces = []
+    for p, wire in enumerate(wires):
         name = fragments.names[p] if fragments.names else str(p)
         with jax.named_scope(f"sdiloco_fragment_{name}"):
             message = jax.vmap(wire.encode)(deltas, keys)  # [local, B]
-            return jax.vmap(wire.decode)(_gather(message, data))  # per group [M, ...]
-
-    def skip(p, deltas, keys):
-        del deltas, keys
-        return [
-            jnp.zeros((num_replicas,) + s, d)
-            for s, d in zip(wires[p].shapes, wires[p].dtypes)
-        ]
-
-    pieces = []
-    for p in range(len(wires)):
-        if send_all:
-            pieces.append(send(p, deltas, keys))
-        else:
-            pieces.append(
-                jax.lax.cond(
-                    sent[p], ft.partial(send, p), ft.partial(skip, p), deltas, keys
-                )
-            )
-    recon = _assemble(wires, fragments, pieces)
+            pieces.append(jax.vmap(wire.decode)(_gather(message, data)))  # [M, ...]
+    recon = assemble(wires, fragments, pieces)
     mean = communication.average(recon)
     start = jax.lax.axis_index(AXIS) * local
     own = [jax.lax.dynamic_slice_in_dim(r, start, local, axis=0) for r in recon]
@@ -186,7 +154,7 @@ def _gather(message: Array, data: int) -> Array:
     return whole[:, :size]
 
 
-def _assemble(wires, fragments, pieces) -> list[Array]:
+def assemble(wires, fragments, pieces) -> list[Array]:
     """Per-leaf `[M, ...]` reconstructions from the per-fragment group pieces."""
     whole: dict[int, Array] = {}
     rows: dict[int, list[tuple[np.ndarray, Array]]] = {}

@@ -51,6 +51,7 @@ from jaxtyping import Array
 
 from ..base import AlgorithmState, JittedStep
 from ..custom_types import Batch
+from ..streaming import LocalResult
 
 
 AXIS = "replica"
@@ -260,7 +261,8 @@ def sharded_step(
     *,
     fsdp: bool = False,
     metrics: str = "replicated",
-) -> Callable[..., Any]:
+    donate: bool = True,
+) -> JittedStep:
     """A jitted step that keeps the state's layout on the mesh, with the state donated.
 
     The new state is constrained to `state_shardings(..., fsdp=fsdp)`. Like
@@ -277,6 +279,7 @@ def sharded_step(
             metrics `loss/replicas` and `replicas/aux/*` stay split over
             `"replica"`: a step without sync steps then has no collective across
             `"replica"` at all; `Courier.host` adds the means back).
+        donate: donate the state (as `jit_step`); False keeps it valid.
 
     Returns:
         The jitted `step(state, batch) -> (state, metrics)` for sharded inputs (a
@@ -300,16 +303,23 @@ def sharded_step(
         out = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, whole), out)
         return new_state, out
 
-    return JittedStep(constrained)
+    return JittedStep(constrained, donate=donate)
 
 
 # ----------------------------------------------------------------------------- helpers
 
 
-def _local_metrics(metrics: dict, mesh: Mesh) -> dict:
-    """Metrics without the means over replicas, the per-replica ones left split."""
+def _local_metrics(metrics: Any, mesh: Mesh) -> Any:
+    """Metrics without the means over replicas, the per-replica ones left split (a
+    step's metrics dict, or what `streaming.local_phase` reports)."""
     split = NamedSharding(mesh, PartitionSpec(AXIS))
     whole = NamedSharding(mesh, PartitionSpec())
+    if isinstance(metrics, LocalResult):
+        return LocalResult(
+            jax.lax.with_sharding_constraint(metrics.losses, split),
+            jax.lax.with_sharding_constraint(metrics.aux, split),
+            jax.lax.with_sharding_constraint(metrics.sent, whole),
+        )
     out = {}
     for k, v in metrics.items():
         if k == "loss/train" or k.startswith("aux/"):

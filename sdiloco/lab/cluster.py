@@ -21,12 +21,13 @@ id and the job size it was given; process 0 answers once all have arrived, or te
 each what is wrong) and only then starts the runtime on that port.
 """
 
+import contextlib
 import dataclasses
 import functools
 import json
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import equinox as eqx
@@ -38,6 +39,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .. import distributed
 from ..base import jit_step
+from ..streaming import StreamingSpec
 from . import data as data_lib
 
 
@@ -258,8 +260,7 @@ class Placement:
         for a posted exchange)."""
         if self.mesh is None:
             return jit_step(algorithm)
-        spec = getattr(algorithm, "spec", None)
-        if spec is not None and spec.posted:
+        if isinstance(algorithm.spec, StreamingSpec) and algorithm.spec.posted:
             courier = distributed.Courier(
                 algorithm, self.mesh, self.comm_mesh, fsdp=self.fsdp
             )
@@ -267,28 +268,35 @@ class Placement:
             return courier
         return distributed.sharded_step(algorithm.step, self.mesh, fsdp=self.fsdp)
 
-    def close(self) -> None:
-        """Wait for the messages in flight and stop the couriers' threads."""
+    def close(self, wait: bool = True) -> None:
+        """Stop the couriers' threads, after waiting (bounded) for the messages in
+        flight unless `wait` is False (after an error). Idempotent."""
         while self._couriers:
-            self._couriers.pop().close()
+            courier = self._couriers.pop()
+            if wait:
+                courier.close()
+            else:
+                courier.stop()
 
-    def quiet(self) -> None:
-        """Wait until no courier moves a message.
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """No courier collective runs inside the block (each courier's lock held).
 
-        Called before every collective the training loop issues itself (the metric
-        flush, evaluation, checkpoint metadata): XLA:CPU's gloo collectives between
-        the same processes must not run from two threads at once (measured: a
-        `gloo::EnforceNotMet` "received data size doesn't match expected size").
-        Overlap is lost only at those steps.
+        Every collective the training loop issues itself (the metric flush,
+        evaluation, checkpoint metadata and barriers) runs inside one, and finishes
+        there: XLA:CPU's gloo collectives between the same processes must not run
+        from two threads at once (measured: a `gloo::EnforceNotMet` "received data
+        size doesn't match expected size"). Overlap is lost only at those steps.
         """
-        for courier in self._couriers:
-            courier.drain()
+        with contextlib.ExitStack() as stack:
+            for courier in self._couriers:
+                stack.enter_context(courier.exclusive())
+            yield
 
     def metrics(self, rows: Any) -> Any:
         """Steps' metrics on the host (NumPy), with a courier's means added back."""
         if not self._couriers:
             return self.host(rows)
-        self.quiet()
         return self._couriers[-1].host(rows)
 
     def replicated(self, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
@@ -303,8 +311,8 @@ class Placement:
         )
 
         def call(state):
-            self.quiet()
-            return jitted(state)
+            with self.exclusive():
+                return jax.block_until_ready(jitted(state))
 
         return call
 
@@ -345,12 +353,12 @@ class Placement:
         """Merge every process's `{replica: JSON value}` (e.g. iterator positions)."""
         if jax.process_count() == 1:
             return dict(local)
-        self.quiet()
         text = json.dumps({str(k): v for k, v in local.items()}).encode()
-        sizes = multihost_utils.process_allgather(np.array([len(text)], np.int32))
-        buf = np.zeros(int(np.max(sizes)), np.uint8)
-        buf[: len(text)] = np.frombuffer(text, np.uint8)
-        every = multihost_utils.process_allgather(buf)
+        with self.exclusive():
+            sizes = multihost_utils.process_allgather(np.array([len(text)], np.int32))
+            buf = np.zeros(int(np.max(sizes)), np.uint8)
+            buf[: len(text)] = np.frombuffer(text, np.uint8)
+            every = multihost_utils.process_allgather(buf)
         out: dict[int, Any] = {}
         for row, size in zip(np.asarray(every), np.asarray(sizes).reshape(-1)):
             out.update({int(k): v for k, v in json.loads(bytes(row[:size])).items()})

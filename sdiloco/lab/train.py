@@ -178,50 +178,75 @@ def run(
     )
     _check_batch(c, place)
     r = build(config, place)
-    state = place.state(r.init_state())
-    iterators = r.iterators()
     history = History(config)
     log = _Log(r, history, progress and place.primary, place)
     ckpt = None
-    if out_dir is not None:
-        ckpt, state = _open_checkpoints(
-            r, out_dir, resume, state, iterators, log, place
-        )
-    step_fn = place.step(r.algorithm)
-    evaluate = _evaluator(r, c, place)
-    start_step = int(place.host(state.step))
-    last = c.steps if stop_after is None else min(stop_after, c.steps)
-
-    def save(step):
-        positions = place.gather_json(
-            {m: iterators[m].get_state() for m in place.local_replicas}
-        )
-        meta = log.meta()
-        meta["data"] = [positions[m] for m in range(c.method.num_replicas)]
-        ckpt.save(step, state, meta)
-
-    log.start(start_step)
-    for step in range(start_step + 1, last + 1):
-        state, metrics = step_fn(state, place.batch(iterators))
-        log.record(step, metrics, flush=step % c.log_every == 0 or step == last)
-        if callback is not None:
-            callback(step, state, metrics)
-        if step % c.eval_every == 0 or step == c.steps:
-            log.evaluation(step, evaluate(state))
-        if ckpt is not None and c.checkpoint_every and step % c.checkpoint_every == 0:
-            save(step)
-    jax.block_until_ready(state)
-    place.close()
-    log.stop()
-    if ckpt is not None:
-        if ckpt.latest_step() != last:
-            save(last)
-        ckpt.close()
+    try:  # the placement's couriers and the checkpointer are released in any case
+        state = place.state(r.init_state())
+        iterators = r.iterators()
+        if out_dir is not None:
+            ckpt, state = _open_checkpoints(
+                r, out_dir, resume, state, iterators, log, place
+            )
+        last = c.steps if stop_after is None else min(stop_after, c.steps)
+        loop = _Loop(r, place, log, iterators, ckpt)
+        state = loop.train(state, int(place.host(state.step)), last, callback)
+        jax.block_until_ready(state)
+        place.close()
+        log.stop()
+        if ckpt is not None and ckpt.latest_step() != last:
+            loop.save(last, state)
+    finally:
+        place.close(wait=False)
+        if ckpt is not None:
+            ckpt.close()
     history.summary = log.summary(last)
     history.state = state
     if out_dir is not None and place.primary:
         history.save(out_dir)
     return history
+
+
+@dataclasses.dataclass
+class _Loop:
+    """The training loop of `run`: steps, logs, evaluations and checkpoints."""
+
+    r: Run
+    place: Placement
+    log: "_Log"
+    iterators: list
+    ckpt: Checkpointer | None
+
+    def train(self, state: Any, start: int, last: int, callback: Any) -> Any:
+        """Steps `start + 1 ... last` from `state`; returns the last state."""
+        c, place = self.r.config, self.place
+        step_fn, evaluate = place.step(self.r.algorithm), _evaluator(self.r, c, place)
+        self.log.start(start)
+        for step in range(start + 1, last + 1):
+            state, metrics = step_fn(state, place.batch(self.iterators))
+            self.log.record(
+                step, metrics, flush=step % c.log_every == 0 or step == last
+            )
+            if callback is not None:
+                callback(step, state, metrics)
+            if step % c.eval_every == 0 or step == c.steps:
+                self.log.evaluation(step, evaluate(state))
+            if c.checkpoint_every and step % c.checkpoint_every == 0:
+                self.save(step, state)
+        return state
+
+    def save(self, step: int, state: Any) -> None:
+        """A checkpoint of `state` at `step`, with every replica's data position."""
+        if self.ckpt is None:
+            return
+        place = self.place
+        positions = place.gather_json(
+            {m: self.iterators[m].get_state() for m in place.local_replicas}
+        )
+        meta = self.log.meta()
+        meta["data"] = [positions[m] for m in range(self.r.config.method.num_replicas)]
+        with place.exclusive():  # orbax's barriers are collectives too
+            self.ckpt.save(step, state, meta)
 
 
 def _check_batch(c: RunConfig, place: Placement) -> None:
