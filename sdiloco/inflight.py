@@ -78,11 +78,24 @@ class Group:
         self, k: int, x: Array, j: Int[ArrayLike, ""], axis: int = 0
     ) -> Array:
         """Member j's piece of `x`, an array shaped like touched leaf k (with `axis`
-        leading batch axes)."""
+        leading batch axes).
+
+        Rows are read (and written, `scatter_one`) one at a time, a dynamic slice
+        each: slices work in any memory space (an offloaded θ_g lives in host
+        memory, where a gather's index arithmetic cannot run) and let XLA update
+        the leaf in place (docs/performance.md).
+        """
         rows = self.rows[k]
         if rows is None:
             return x
-        return jnp.take(x, jnp.asarray(rows)[j], axis)
+        table = jnp.asarray(rows)[j]
+        return jnp.stack(
+            [
+                jax.lax.dynamic_index_in_dim(x, table[r], axis, keepdims=False)
+                for r in range(rows.shape[1])
+            ],
+            axis,
+        )
 
     def scatter_one(
         self, k: int, x: Array, j: Int[ArrayLike, ""], piece: Array, axis: int = 0
@@ -92,8 +105,11 @@ class Group:
         piece = piece.astype(x.dtype)
         if rows is None:
             return piece
-        index = (slice(None),) * axis + (jnp.asarray(rows)[j],)
-        return x.at[index].set(piece)
+        table = jnp.asarray(rows)[j]
+        for r in range(rows.shape[1]):
+            row = jax.lax.index_in_dim(piece, r, axis, keepdims=False)
+            x = jax.lax.dynamic_update_index_in_dim(x, row, table[r], axis)
+        return x
 
     def piece_fragments(self) -> Fragments:
         """The pieces as one fragment (groups: whole pieces, or their rows), for the
