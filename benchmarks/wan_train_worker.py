@@ -35,7 +35,6 @@ from jax.experimental import multihost_utils
 import sdiloco
 from sdiloco import distributed
 from sdiloco.lab import cluster, methods, model as model_lib
-from sdiloco.streaming import message_bytes
 
 
 METHODS = {
@@ -167,7 +166,7 @@ def main(argv=None) -> None:
         if alg.spec is not None:
             meta["bits_per_fragment"] = [int(b) for b in alg.bits_per_fragment(model)]
             if alg.spec.posted:
-                meta["message_bytes"] = message_bytes(alg.spec, model).tolist()
+                meta["message_bytes"] = alg.spec.message_bytes(model).tolist()
         seconds, traces = [], []
         for i in range(args.windows):
             if isinstance(step, distributed.Courier):

@@ -235,7 +235,7 @@ plotting.save_table(
         "state (`train.build(config.preset(method, model=...)).init_state()`), one "
         "replica's share, M = 2. The library keeps the overlapped outer gradient in "
         "one in-flight slot the size of the largest fragment (the whole model for "
-        "DiLoCo), which the paper's count does not include, and does not offload."
+        "DiLoCo), which the paper's count does not include. These rows keep the outer state on the device; the `offload=True` rows are in `memory_overhead_offload.md`."
     ),
     notebook=NOTEBOOK,
     config={

@@ -92,16 +92,7 @@ def data_parallel(
         updates, inner_state = inner.update(
             grads, state.inner_state, eqx.filter(params, eqx.is_inexact_array)
         )
-        bits = float(bits_per_fragment(params)[0])
-        metrics = {
-            "loss/train": jnp.mean(losses),
-            "loss/replicas": losses,
-            "comm/bits": jnp.asarray(bits, jnp.float32),
-            "nonfinite": ~jnp.all(
-                jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)])
-            ),
-        }
-        metrics.update({f"aux/{k}": jnp.mean(v, axis=0) for k, v in aux.items()})
+        metrics = _metrics(losses, aux, grads, float(bits_per_fragment(params)[0]))
         new_state = DataParallelState(
             step=state.step + 1,
             global_params=eqx.apply_updates(params, updates),
@@ -110,3 +101,16 @@ def data_parallel(
         return new_state, metrics
 
     return Algorithm(init, step, bits_per_fragment, num_replicas, None)
+
+
+def _metrics(losses: Array, aux: dict, grads: Any, bits: float) -> Metrics:
+    """A Data-Parallel step's metrics: losses, bits on the wire, finiteness."""
+    finite = [jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]
+    metrics = {
+        "loss/train": jnp.mean(losses),
+        "loss/replicas": losses,
+        "comm/bits": jnp.asarray(bits, jnp.float32),
+        "nonfinite": ~jnp.all(jnp.stack(finite)),
+    }
+    metrics.update({f"aux/{k}": jnp.mean(v, axis=0) for k, v in aux.items()})
+    return metrics

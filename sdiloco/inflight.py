@@ -53,64 +53,6 @@ class Group:
         """Elements of one member fragment."""
         return int(sum(np.prod(s, dtype=np.int64) for s in self.shapes))
 
-    def gather(
-        self, leaves: list[Array], j: Int[ArrayLike, ""], axis: int = 0
-    ) -> list[Array]:
-        """Member j's pieces of `leaves` (all the leaves; rows taken along `axis`)."""
-        return [
-            self.gather_one(k, leaves[i], j, axis) for k, i in enumerate(self.leaves)
-        ]
-
-    def scatter(
-        self,
-        leaves: list[Array],
-        j: Int[ArrayLike, ""],
-        pieces: list[Array],
-        axis: int = 0,
-    ) -> list[Array]:
-        """`leaves` with member j's elements replaced by `pieces`."""
-        leaves = list(leaves)
-        for k, (i, piece) in enumerate(zip(self.leaves, pieces)):
-            leaves[i] = self.scatter_one(k, leaves[i], j, piece, axis)
-        return leaves
-
-    def gather_one(
-        self, k: int, x: Array, j: Int[ArrayLike, ""], axis: int = 0
-    ) -> Array:
-        """Member j's piece of `x`, an array shaped like touched leaf k (with `axis`
-        leading batch axes).
-
-        Rows are read (and written, `scatter_one`) one at a time, a dynamic slice
-        each: slices work in any memory space (an offloaded θ_g lives in host
-        memory, where a gather's index arithmetic cannot run) and let XLA update
-        the leaf in place (docs/performance.md).
-        """
-        rows = self.rows[k]
-        if rows is None:
-            return x
-        table = jnp.asarray(rows)[j]
-        return jnp.stack(
-            [
-                jax.lax.dynamic_index_in_dim(x, table[r], axis, keepdims=False)
-                for r in range(rows.shape[1])
-            ],
-            axis,
-        )
-
-    def scatter_one(
-        self, k: int, x: Array, j: Int[ArrayLike, ""], piece: Array, axis: int = 0
-    ) -> Array:
-        """`x` (shaped like touched leaf k) with member j's elements set to `piece`."""
-        rows = self.rows[k]
-        piece = piece.astype(x.dtype)
-        if rows is None:
-            return piece
-        table = jnp.asarray(rows)[j]
-        for r in range(rows.shape[1]):
-            row = jax.lax.index_in_dim(piece, r, axis, keepdims=False)
-            x = jax.lax.dynamic_update_index_in_dim(x, row, table[r], axis)
-        return x
-
     def piece_fragments(self) -> Fragments:
         """The pieces as one fragment (groups: whole pieces, or their rows), for the
         compressors and the exchange."""
@@ -120,12 +62,8 @@ class Group:
         )
         return Fragments(labels, self.shapes, 1, ("_".join(map(str, self.members)),))
 
-    def flatten(self, pieces: list[Array]) -> Array:
-        """One vector of the pieces (for an in-flight slot)."""
-        return jnp.concatenate([x.reshape(-1) for x in pieces])
-
     def unflatten(self, vector: Array) -> list[Array]:
-        """Inverse of `flatten` (on the first `size` elements of `vector`)."""
+        """The pieces laid out one after the other in `vector` (an in-flight slot)."""
         out, start = [], 0
         for shape in self.shapes:
             n = int(np.prod(shape, dtype=np.int64))
@@ -136,12 +74,75 @@ class Group:
 
 @dataclasses.dataclass(frozen=True)
 class Visit:
-    """One selected fragment in `Layout.for_each`: its group, its position j among
-    the group's members and its id p (both traced)."""
+    """One fragment of a group, as `Layout.for_each` visits it: it reads and writes
+    the fragment's elements of any array shaped like the parameter leaves.
+
+    Attributes:
+        group: the fragment's group.
+        j: its position among the group's members (traced).
+        p: the fragment's id (traced).
+        rows: per touched leaf, None (the whole leaf) or the `[r]` rows it holds
+            (traced: data to the compiler, see `Layout.for_each`).
+    """
 
     group: Group
     j: Int[Array, ""]
     p: Int[Array, ""]
+    rows: tuple[Int[Array, " r"] | None, ...]
+
+    @staticmethod
+    def of(group: Group, j: Int[ArrayLike, ""]) -> "Visit":
+        """Member j of `group`, outside a loop (e.g. to read a fragment in a test)."""
+        rows = tuple(None if r is None else jnp.asarray(r)[j] for r in group.rows)
+        j = jnp.asarray(j, jnp.int32)
+        return Visit(group, j, jnp.asarray(group.members, jnp.int32)[j], rows)
+
+    def gather(self, leaves: list[Array], axis: int = 0) -> list[Array]:
+        """The fragment's pieces of `leaves` (all the leaves; rows along `axis`)."""
+        return [
+            self.gather_one(k, leaves[i], axis) for k, i in enumerate(self.group.leaves)
+        ]
+
+    def scatter(
+        self, leaves: list[Array], pieces: list[Array], axis: int = 0
+    ) -> list[Array]:
+        """`leaves` with the fragment's elements replaced by `pieces`."""
+        leaves = list(leaves)
+        for k, (i, piece) in enumerate(zip(self.group.leaves, pieces)):
+            leaves[i] = self.scatter_one(k, leaves[i], piece, axis)
+        return leaves
+
+    def gather_one(self, k: int, x: Array, axis: int = 0) -> Array:
+        """The fragment's piece of `x`, an array shaped like touched leaf k (with
+        `axis` leading batch axes).
+
+        Rows are read (and written, `scatter_one`) one at a time, a dynamic slice
+        each: slices work in any memory space (an offloaded θ_g lives in host
+        memory, where a gather's index arithmetic cannot run) and let XLA update
+        the leaf in place (docs/performance.md).
+        """
+        rows = self.rows[k]
+        if rows is None:
+            return x
+        return jnp.stack(
+            [
+                jax.lax.dynamic_index_in_dim(x, rows[r], axis, keepdims=False)
+                for r in range(rows.shape[0])
+            ],
+            axis,
+        )
+
+    def scatter_one(self, k: int, x: Array, piece: Array, axis: int = 0) -> Array:
+        """`x` (shaped like touched leaf k) with the fragment's elements set to
+        `piece`."""
+        rows = self.rows[k]
+        piece = piece.astype(x.dtype)
+        if rows is None:
+            return piece
+        for r in range(rows.shape[0]):
+            row = jax.lax.index_in_dim(piece, r, axis, keepdims=False)
+            x = jax.lax.dynamic_update_index_in_dim(x, row, rows[r], axis)
+        return x
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -173,10 +174,16 @@ class Layout:
     def write(
         self, slots: Array, group: Group, p: Int[ArrayLike, ""], pieces: list[Array]
     ) -> Array:
-        """`slots` with fragment p's pieces stored in its in-flight slot."""
+        """`slots` with fragment p's pieces stored in its in-flight slot, one after
+        the other (each written in place at its offset)."""
         k = jnp.asarray(self.slot_of)[p]
-        row = group.flatten(pieces).astype(slots.dtype)[None]
-        return jax.lax.dynamic_update_slice(slots, row, (k, jnp.zeros_like(k)))
+        offset = 0
+        for piece in pieces:
+            row = piece.reshape(1, -1).astype(slots.dtype)
+            start = (k, jnp.asarray(offset, k.dtype))
+            slots = jax.lax.dynamic_update_slice(slots, row, start)
+            offset += row.shape[1]
+        return slots
 
     def for_each(
         self,
@@ -194,14 +201,23 @@ class Layout:
         what `fn` only reads (θ_g when sending), `carry` what it updates; `fn`
         reads the state through them, never from a closure, so that none of its
         work can run outside the loop (`_xla.loop_over_selected`).
+
+        The row tables go through the loop's barrier with the inputs: to the
+        compiler, which rows a fragment holds is data. Known rows (a group of one
+        member, whose table is a constant) let XLA read every row before any
+        write, which it can do only on a copy of the leaf.
         """
         for group in self.groups:
             members = jnp.asarray(group.members, jnp.int32)
+            tables = tuple(None if r is None else jnp.asarray(r) for r in group.rows)
 
             def body(j, inputs, carry, group=group, members=members):
-                return fn(Visit(group, j, members[j]), inputs, carry)
+                tables, inputs = inputs
+                rows = tuple(None if t is None else t[j] for t in tables)
+                return fn(Visit(group, j, members[j], rows), inputs, carry)
 
-            carry = loop_over_selected(selected[members], body, inputs, carry)
+            selection = selected[members]
+            carry = loop_over_selected(selection, body, (tables, inputs), carry)
         return carry
 
 

@@ -86,7 +86,7 @@ def fragment_outer_step(
     Returns:
         The new θ_g and outer state.
     """
-    group, j, p = visit.group, visit.j, visit.p
+    group, p = visit.group, visit.p
     leaves, treedef = jax.tree.flatten(params)
     s_leaves, s_def = jax.tree.flatten(state)
     mirrors = _param_index(outer, params, state)  # per state leaf: its parameter
@@ -94,7 +94,7 @@ def fragment_outer_step(
 
     def piece(x: Array, i: int) -> Array:  # p's piece of a leaf shaped like param i
         if i in where:
-            return memory.fetch(group.gather_one(where[i], x, j))
+            return memory.fetch(visit.gather_one(where[i], x))
         return jnp.zeros((0,), x.dtype)
 
     x = [piece(leaf, i) for i, leaf in enumerate(leaves)]
@@ -115,13 +115,13 @@ def fragment_outer_step(
 
     out = list(leaves)
     for i, k in where.items():
-        out[i] = group.scatter_one(k, leaves[i], j, memory.store(new_x[i]))
+        out[i] = visit.scatter_one(k, leaves[i], memory.store(new_x[i]))
     out_s = []
     for leaf, new, i in zip(s_leaves, jax.tree.leaves(new_s), mirrors):
         if i < 0:
             leaf = leaf.at[p].set(memory.store(new))
         elif i in where:
-            leaf = group.scatter_one(where[i], leaf, j, memory.store(new))
+            leaf = visit.scatter_one(where[i], leaf, memory.store(new))
         out_s.append(leaf)
     return jax.tree.unflatten(treedef, out), jax.tree.unflatten(s_def, out_s)
 

@@ -449,7 +449,7 @@ def send(spec: StreamingSpec, state: StreamingState) -> StreamingState:
         slots, ok, residual, outbox = carry
         deltas = _outer_gradients(spec, v, g_leaves, r_leaves)
         if residual is not None:  # error feedback: what the last sends left out
-            deltas = [d + e for d, e in zip(deltas, v.group.gather(residual, v.j, 1))]
+            deltas = [d + e for d, e in zip(deltas, v.gather(residual, 1))]
         frags, key = v.group.piece_fragments(), jr.fold_in(key, v.p)
         if spec.posted:
             messages, own = spec.exchange.encode(spec.compressor, frags, deltas, key)
@@ -460,7 +460,7 @@ def send(spec: StreamingSpec, state: StreamingState) -> StreamingState:
             ok = ok.at[v.p].set(_finite(mean))
         if residual is not None:
             errors = [d - q for d, q in zip(deltas, own)]
-            residual = v.group.scatter(residual, v.j, errors, axis=1)
+            residual = v.scatter(residual, errors, axis=1)
         return slots, ok, residual, outbox
 
     key = jr.fold_in(state.key, t)
@@ -562,14 +562,14 @@ def merge_arrivals(
     r_leaves, r_def = jax.tree.flatten(replicas)
 
     def one(v: Visit, g_leaves, r_leaves):
-        g = [spec.memory.fetch(x) for x in v.group.gather(g_leaves, v.j)]
-        r = v.group.gather(r_leaves, v.j, axis=1)
+        g = [spec.memory.fetch(x) for x in v.gather(g_leaves)]
+        r = v.gather(r_leaves, axis=1)
         due, ok = merging[:, v.p], keep[v.p]
         new = [
             merge(ri, gi, due.reshape((-1,) + (1,) * gi.ndim), ok, spec.alpha)
             for ri, gi in zip(r, g)
         ]
-        return v.group.scatter(r_leaves, v.j, new, axis=1)
+        return v.scatter(r_leaves, new, axis=1)
 
     arriving = spec.schedule.arriving(state.step, state.sent_at)
     r_leaves = layout.for_each(arriving, one, r_leaves, _leaves(state.global_params))
@@ -599,7 +599,7 @@ def inflight_outer_gradients(spec: StreamingSpec, state: StreamingState) -> Para
     in_flight = spec.schedule.in_flight(state.step, state.sent_at)
 
     def one(v: Visit, inflight, out):
-        return v.group.scatter(out, v.j, layout.read(inflight, v.group, v.p))
+        return v.scatter(out, layout.read(inflight, v.group, v.p))
 
     out = [jnp.zeros(x.shape, state.inflight.dtype) for x in leaves]
     out = layout.for_each(in_flight, one, out, state.inflight)
@@ -630,8 +630,8 @@ def _outer_gradients(
     spec: StreamingSpec, v: Visit, g_leaves: list[Array], r_leaves: list[Array]
 ) -> list[Array]:
     """Fragment `v`'s `Δ_m = θ_g − θ_m`, `[M, ...]` per piece, in the wide dtype."""
-    g = [spec.memory.fetch(x) for x in v.group.gather(g_leaves, v.j)]
-    r = v.group.gather(r_leaves, v.j, axis=1)
+    g = [spec.memory.fetch(x) for x in v.gather(g_leaves)]
+    r = v.gather(r_leaves, axis=1)
     return communication.outer_gradients(g, r)
 
 

@@ -24,7 +24,6 @@ memory = importlib.import_module("benchmarks.memory")
 step_throughput = importlib.import_module("benchmarks.step_throughput")
 _common = importlib.import_module("benchmarks._common")
 compare_versions = importlib.import_module("benchmarks.compare_versions")
-host_instructions = importlib.import_module("benchmarks.host_instructions")
 sync_heavy = importlib.import_module("benchmarks.sync_heavy")
 
 
@@ -145,40 +144,6 @@ def test_compare_versions_loads_a_copy_of_the_package_under_its_own_name(tmp_pat
     assert sys.modules["sdl_copy.streaming"].__name__ == "sdl_copy.streaming"
     with pytest.raises(SystemExit, match="not a copy of the sdiloco package"):
         compare_versions.load(str(tmp_path), "sdl_missing")
-
-
-def test_host_instructions_reads_and_groups_a_callgrind_listing():
-    """The listing's counts per step, generated code summed under one name, and
-    each function in its group (kernels, runtime, Python, allocator)."""
-    listing = """
---------------------------------------------------------------------------------
-12,000 (100.0%)  PROGRAM TOTALS
---------------------------------------------------------------------------------
-6,000 (50.00%)  ???:0x0000000055474000 [???]
-3,000 (25.00%)  ???:0x00000000554cb000 [???]
-1,200 (10.00%)  ???:ynn::dot_fp32_4x16x1(unsigned long) [/v/jaxlib/libjax_common.so]
-  900 ( 7.50%)  ???:jax::(anonymous namespace)::PjitFunction::Call(nanobind::handle) [/v/jaxlib/libjax_common.so]
-  600 ( 5.00%)  ./malloc/./malloc/malloc.c:_int_free [/usr/lib/libc.so.6]
-  300 ( 2.50%)  /b/Python-3.11.7/Python/ceval.c:_PyEval_EvalFrameDefault [/p/libpython3.11.so.1.0]
-"""
-    counts = host_instructions.parse(listing, steps=3)
-    assert counts == {
-        host_instructions.GENERATED: 3000,
-        "???:ynn::dot_fp32_4x16x1(unsigned long) [/v/jaxlib/libjax_common.so]": 400,
-        "???:jax::(anonymous namespace)::PjitFunction::Call(nanobind::handle) "
-        "[/v/jaxlib/libjax_common.so]": 300,
-        "./malloc/./malloc/malloc.c:_int_free [/usr/lib/libc.so.6]": 200,
-        "/b/Python-3.11.7/Python/ceval.c:_PyEval_EvalFrameDefault "
-        "[/p/libpython3.11.so.1.0]": 100,
-    }
-    groups = [host_instructions.group(f) for f in counts]
-    assert groups == ["kernels", "kernels", "runtime", "allocator", "Python"]
-    names = [host_instructions.short_name(f) for f in counts]
-    assert names[2:] == [
-        "jax::{anon}::PjitFunction::Call",
-        "_int_free",
-        "_PyEval_EvalFrameDefault",
-    ]
 
 
 @pytest.mark.integration

@@ -14,7 +14,7 @@ from hypothesis import given, settings, strategies as st
 
 import sdiloco
 from sdiloco import streaming
-from sdiloco.inflight import assign_slots, make_layout
+from sdiloco.inflight import Visit, assign_slots, make_layout
 from sdiloco.schedule import make_schedule
 
 
@@ -64,12 +64,13 @@ def test_groups_partition_the_elements_and_share_branches():
     for p in range(frags.num_fragments):
         group = layout.groups[layout.group_of[p]]
         j = jnp.asarray(layout.index_in_group[p])
-        pieces = group.gather(leaves, j)
+        visit = Visit.of(group, j)
+        pieces = visit.gather(leaves)
         assert sum(x.size for x in pieces) == group.size == frags.sizes()[p]
-        back = group.scatter(leaves, j, pieces)  # scatter(gather) is the identity
+        back = visit.scatter(leaves, pieces)  # scatter(gather) is the identity
         assert all(bool(jnp.all(a == b)) for a, b in zip(back, leaves))
         ones = [jnp.ones(s, jnp.int32) for s in group.shapes]
-        added = group.scatter([jnp.zeros_like(c) for c in count], j, ones)
+        added = visit.scatter([jnp.zeros_like(c) for c in count], ones)
         count = [c + a for c, a in zip(count, added)]
         np.testing.assert_array_equal(  # the fragment is exactly its mask
             np.concatenate([np.ravel(a) for a in added]),

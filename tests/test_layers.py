@@ -58,9 +58,14 @@ def _module_name(path: pathlib.Path) -> str:
 def imports(path: pathlib.Path) -> list[str]:
     """Absolute names of every module `path` imports (relative imports resolved)."""
     name = _module_name(path)
-    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    return imports_in(path.read_text(), name, path.name == "__init__.py")
+
+
+def imports_in(source: str, name: str, is_package: bool = False) -> list[str]:
+    """Absolute names of every module that the source of module `name` imports."""
+    package = name if is_package else name.rsplit(".", 1)[0]
     out = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             out += [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -98,14 +103,60 @@ def test_module_imports_only_what_its_layer_allows(path):
 
 def test_checker_sees_a_violation():
     # The same parsing on a made-up core module that imports the harness.
-    fake = ROOT / "_fake_layer_check.py"
-    try:
-        fake.write_text("from .lab import train\nimport grain\n")
-        got = imports(fake)
-    finally:
-        fake.unlink()
-    assert got == ["sdiloco.lab.train", "grain"] or got == ["sdiloco.lab", "grain"]
+    got = imports_in("from .lab import train\nimport grain\n", "sdiloco._fake")
+    assert got == ["sdiloco.lab", "grain"]
     assert _layer("sdiloco.lab") == "lab"
+
+
+def _graph() -> dict[str, set[str]]:
+    """Module -> the sdiloco modules it imports (a package import: its __init__)."""
+    names = {_module_name(p) for p in MODULES}
+    graph = {}
+    for path in MODULES:
+        out = set()
+        for name in imports(path):
+            while name and name not in names:  # `from .x import y`: module x
+                name = name.rpartition(".")[0]
+            if name and name != _module_name(path):
+                out.add(name)
+        graph[_module_name(path)] = out
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of `graph`, or None."""
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+
+    def visit(node, path):
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state and (found := visit(nxt, path + [nxt])):
+                return found
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node, [node])):
+            return found
+    return None
+
+
+def test_no_import_cycle():
+    """Modules import one another without a cycle (a package's `__init__` counts as
+    the package: it re-exports its modules, which must not import it back)."""
+    graph = _graph()
+    for package in [n for n in graph if (ROOT.parent / n.replace(".", "/")).is_dir()]:
+        # A module importing its own package's names imports the package's modules.
+        for module in graph:
+            graph[module] = {
+                m
+                for m in graph[module]
+                if not (m == package and module.startswith(package + "."))
+            }
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
 
 
 def test_core_import_loads_no_harness():

@@ -54,8 +54,8 @@ def outer_step(outer, frags, p, params, state, grad):
     p = int(p)
     group = layout.groups[layout.group_of[p]]
     j = jnp.asarray(layout.index_in_group[p])
-    pieces = group.gather(jax.tree.leaves(grad), j)
-    visit = Visit(group, j, jnp.int32(p))
+    visit = Visit.of(group, j)
+    pieces = visit.gather(jax.tree.leaves(grad))
     return fragment_outer_step(outer, visit, params, state, pieces)
 
 

@@ -15,7 +15,7 @@ from hypothesis import given, settings, strategies as st
 import sdiloco
 from sdiloco.base import JittedStep
 from sdiloco.communication import simulated_exchange
-from sdiloco.inflight import make_layout
+from sdiloco.inflight import Visit, make_layout
 from sdiloco.schedule import make_schedule
 from sdiloco.streaming import (
     StreamingSpec,
@@ -59,9 +59,8 @@ def _with_inflight(spec, state, tree, p):
     layout = make_layout(spec.fragments, spec.schedule)
     group = layout.groups[layout.group_of[p]]
     j = layout.index_in_group[p]
-    vector = group.flatten(group.gather(jax.tree.leaves(tree), j))
-    slots = state.inflight.at[layout.slot_of[p], : group.size].set(vector)
-    return state._replace(inflight=slots)
+    pieces = Visit.of(group, j).gather(jax.tree.leaves(tree))
+    return state._replace(inflight=layout.write(state.inflight, group, p, pieces))
 
 
 FRAGMENT_OF = {"a": 0, "b": 1, "c": 0}

@@ -15,7 +15,7 @@ status 1 and one line saying why.
 import argparse
 import json
 import sys
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from . import config as config_lib
 
@@ -147,7 +147,12 @@ def _parser() -> argparse.ArgumentParser:
         "--no-resume", action="store_true", help="ignore checkpoints in --out"
     )
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
-    d = t.add_argument_group("devices and processes")
+    _add_device_flags(t.add_argument_group("devices and processes"))
+    return parser
+
+
+def _add_device_flags(d: Any) -> None:
+    """The flags of where the replicas live (devices, processes, the courier)."""
     d.add_argument(
         "--devices-per-replica",
         type=int,
@@ -180,7 +185,6 @@ def _parser() -> argparse.ArgumentParser:
         default=300,
         help="seconds to wait for every process to join (default 300)",
     )
-    return parser
 
 
 class _UsageError(Exception):

@@ -451,23 +451,9 @@ def _gather(
                     f"{missing}."
                 )
                 break
-            conn.settimeout(5.0)
-            try:
-                hello = json.loads(conn.makefile().readline())
-                pid, n = int(hello["process_id"]), int(hello["num_processes"])
-            except (OSError, ValueError, KeyError, TypeError):
-                conn.close()  # not one of ours (a port scanner, a stale client)
+            pid, error = _admit(conn, joined, num_processes)
+            if pid is None:
                 continue
-            if n != num_processes:
-                error = (
-                    f"process {pid} was started with num_processes={n}, process 0 "
-                    f"with {num_processes}; allowed: the same value everywhere."
-                )
-            elif pid in joined or not 0 < pid < num_processes:
-                error = (
-                    f"process_id={pid} joined twice or is out of [1, {num_processes})"
-                    "; allowed: each id of 0 .. num_processes-1 once."
-                )
             if error is not None:
                 conn.sendall(f"error: {error}\n".encode())
                 conn.close()
@@ -485,6 +471,31 @@ def _gather(
         server.close()
     if error is not None:
         raise ConnectError(error)
+
+
+def _admit(
+    conn: socket.socket, joined: dict, num_processes: int
+) -> tuple[int | None, str | None]:
+    """A joining process's id and what is wrong with it (None: nothing); no id when
+    the connection is not one of ours (a port scanner, a stale client)."""
+    conn.settimeout(5.0)
+    try:
+        hello = json.loads(conn.makefile().readline())
+        pid, n = int(hello["process_id"]), int(hello["num_processes"])
+    except (OSError, ValueError, KeyError, TypeError):
+        conn.close()
+        return None, None
+    if n != num_processes:
+        return pid, (
+            f"process {pid} was started with num_processes={n}, process 0 "
+            f"with {num_processes}; allowed: the same value everywhere."
+        )
+    if pid in joined or not 0 < pid < num_processes:
+        return pid, (
+            f"process_id={pid} joined twice or is out of [1, {num_processes})"
+            "; allowed: each id of 0 .. num_processes-1 once."
+        )
+    return pid, None
 
 
 def _initialize(kwargs: dict, where: str) -> None:

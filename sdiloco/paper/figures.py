@@ -139,7 +139,7 @@ def _record(out_dir: pathlib.Path, name: str, wall: float, runs: dict) -> None:
     path.write_text(json.dumps(dict(sorted(times.items())), indent=1) + "\n")
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m sdiloco.paper",
         description="Regenerate the paper's tables and figures from notebooks/.",
@@ -171,6 +171,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--jobs", type=int, default=1, help="notebooks run at a time")
     p.add_argument("--list", action="store_true", help="list the notebooks and exit")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _parser()
     args = p.parse_args(argv)
     if args.retrain:  # read by experiments.run_one, here and in the subprocesses
         os.environ["SDILOCO_RETRAIN"] = "1"
@@ -189,36 +194,37 @@ def main(argv: list[str] | None = None) -> int:
     default = root / ("runs/figures-fast" if args.fast else "paper_figures")
     out_dir = pathlib.Path(args.out or default).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
+    return _run_all(paths, out_dir, args.fast, args.jobs)
 
-    def one(path: pathlib.Path) -> tuple[str, float, int, dict]:
-        """Run one notebook: here if it is the only one (its runs' times come back),
-        else in a subprocess, which records its own times."""
-        start = time.perf_counter()
-        if len(paths) == 1:
-            _, runs = execute(path, fast=args.fast, out_dir=out_dir)
-            return path.stem, time.perf_counter() - start, 0, runs
-        cmd = [
-            sys.executable,
-            "-m",
-            "sdiloco.paper",
-            path.stem,
-            "--out",
-            str(out_dir),
-            "--notebooks",
-            str(path.parent),
-        ]
-        rc = subprocess.run(cmd + (["--fast"] if args.fast else [])).returncode
-        return path.stem, time.perf_counter() - start, rc, {}
 
+def _run_one(
+    path: pathlib.Path, out_dir: pathlib.Path, fast: bool, alone: bool
+) -> tuple[str, float, int, dict]:
+    """Run one notebook: here if it is the only one (its runs' times come back), else
+    in a subprocess, which records its own times."""
+    start = time.perf_counter()
+    if alone:
+        _, runs = execute(path, fast=fast, out_dir=out_dir)
+        return path.stem, time.perf_counter() - start, 0, runs
+    cmd = [sys.executable, "-m", "sdiloco.paper", path.stem, "--out", str(out_dir)]
+    cmd += ["--notebooks", str(path.parent)] + (["--fast"] if fast else [])
+    rc = subprocess.run(cmd).returncode
+    return path.stem, time.perf_counter() - start, rc, {}
+
+
+def _run_all(paths: list, out_dir: pathlib.Path, fast: bool, jobs: int) -> int:
+    """Run the notebooks, `jobs` at a time; 1 if any failed."""
     failed = []
     total = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-        for name, wall, rc, runs in pool.map(one, paths):
+    alone = len(paths) == 1
+    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+        runs_of = pool.map(lambda p: _run_one(p, out_dir, fast, alone), paths)
+        for name, wall, rc, runs in runs_of:
             status = "ok" if rc == 0 else f"FAILED (exit {rc})"
             print(f"{name}: {status} in {wall:.0f} s", flush=True)
             if rc:
                 failed.append(name)
-            elif not args.fast and len(paths) == 1:
+            elif not fast and alone:
                 _record(out_dir, name, wall, runs)
     print(
         f"{len(paths) - len(failed)}/{len(paths)} notebooks in {time.perf_counter() - total:.0f} s"

@@ -376,6 +376,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     Trials are recorded in `paper_figures/runs/` like any learning run, so the sweep
     can be split over machines and sessions and the notebook re-renders from them.
     """
+    args = _parser().parse_args(argv)
+    experiments.enable_compile_cache()
+    regime = Regime(args.tokens_per_param, args.rounds)
+    for name, preset in PRESETS.items():
+        if args.method and preset not in args.method:
+            continue
+        search = tune(preset, args.model, regime=regime)
+        axes = standard_axes(search.best.method.kind)
+        print(name, args.model, search.best_values(axes), flush=True)
+    if args.headline:
+        _print_headline(args, regime)
+    if args.rounds_sweep:
+        _print_rounds_sweep(args, regime)
+    return 0
+
+
+def _parser():
     import argparse
 
     p = argparse.ArgumentParser(prog="python -m sdiloco.paper.tuning")
@@ -406,45 +423,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--rounds-method", default="Streaming FP4", choices=list(PRESETS))
     p.add_argument("--rounds-seeds", type=int, default=3)
-    args = p.parse_args(argv)
-    experiments.enable_compile_cache()
-    regime = Regime(args.tokens_per_param, args.rounds)
-    for name, preset in PRESETS.items():
-        if args.method and preset not in args.method:
-            continue
-        search = tune(preset, args.model, regime=regime)
-        axes = standard_axes(search.best.method.kind)
-        print(name, args.model, search.best_values(axes), flush=True)
-    if args.headline:
-        budget = None
-        if args.headline_tokens_per_param is not None:
-            budget = Regime(args.headline_tokens_per_param, args.rounds)
-        losses = headline(
-            args.model, regime=regime, seeds=range(args.headline), budget=budget
-        )
-        dp = losses["Data-Parallel"]
-        for name, values in losses.items():
-            gap = paired_gap(dp, values) if name != "Data-Parallel" else None
-            print(name, args.model, [round(v, 4) for v in values], gap, flush=True)
-    if args.rounds_sweep:
-        rows = rounds_sweep(
+    return p
+
+
+def _print_headline(args, regime: Regime) -> None:
+    budget = None
+    if args.headline_tokens_per_param is not None:
+        budget = Regime(args.headline_tokens_per_param, args.rounds)
+    losses = headline(
+        args.model, regime=regime, seeds=range(args.headline), budget=budget
+    )
+    dp = losses["Data-Parallel"]
+    for name, values in losses.items():
+        gap = paired_gap(dp, values) if name != "Data-Parallel" else None
+        print(name, args.model, [round(v, 4) for v in values], gap, flush=True)
+
+
+def _print_rounds_sweep(args, regime: Regime) -> None:
+    rows = rounds_sweep(
+        args.model,
+        args.rounds_sweep,
+        regime=regime,
+        seeds=range(args.rounds_seeds),
+        method=args.rounds_method,
+    )
+    for row in rows:
+        gap = row["gap"]
+        print(
+            args.rounds_method,
             args.model,
-            args.rounds_sweep,
-            regime=regime,
-            seeds=range(args.rounds_seeds),
-            method=args.rounds_method,
+            f"rounds {row['rounds']} H {row['H']} outer lr {row['outer lr']}:",
+            f"gap {100 * gap['relative']:+.2f} % "
+            f"[{gap['low']:+.4f}, {gap['high']:+.4f}]",
+            flush=True,
         )
-        for row in rows:
-            gap = row["gap"]
-            print(
-                args.rounds_method,
-                args.model,
-                f"rounds {row['rounds']} H {row['H']} outer lr {row['outer lr']}:",
-                f"gap {100 * gap['relative']:+.2f} % "
-                f"[{gap['low']:+.4f}, {gap['high']:+.4f}]",
-                flush=True,
-            )
-    return 0
 
 
 if __name__ == "__main__":
