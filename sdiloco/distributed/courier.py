@@ -250,8 +250,9 @@ class Courier:
     Collectives. XLA:CPU's gloo collectives between the same processes must not run
     from two threads at once. The courier's thread holds `lock` while its all-gather
     runs; a collective of your own (an evaluation gathered over the mesh, a
-    checkpoint barrier) runs inside `with courier.exclusive():`, which holds it too
-    (`lab.cluster.Placement` does this for the training loop).
+    checkpoint barrier) runs inside `with courier.exclusive():`, which waits for the
+    messages posted so far and then holds the lock (`lab.cluster.Placement` does this
+    for the training loop).
 
     Args:
         algorithm: built with `exchange=posted_exchange(mesh)`.
@@ -355,8 +356,16 @@ class Courier:
 
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[None]:
-        """Hold the courier's lock: no courier collective runs meanwhile. Block on
-        the results of your own collective inside the block."""
+        """No courier collective runs inside the block: the messages posted so far
+        are waited for (each at most `timeout`), then the courier's lock is held.
+
+        Waiting first matters across processes: each process's courier thread runs
+        the same all-gathers in the same order, so every process must let them finish
+        before any issues a collective of its own (holding the lock alone could leave
+        one process in its own collective while its peer's thread waits for it).
+        Block on the results of your own collective inside the block.
+        """
+        self.drain()
         with self.lock:
             yield
 

@@ -280,7 +280,8 @@ class Placement:
 
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[None]:
-        """No courier collective runs inside the block (each courier's lock held).
+        """No courier collective runs inside the block (`Courier.exclusive`: the
+        messages posted so far arrive, then each courier's lock is held).
 
         Every collective the training loop issues itself (the metric flush,
         evaluation, checkpoint metadata and barriers) runs inside one, and finishes
