@@ -50,7 +50,7 @@ def main(argv=None) -> None:
 
         @jax.jit
         def run(deltas, key):
-            mean, _ = exchange(compressor, frags, deltas, key, jnp.ones(1, bool))
+            mean, _ = exchange(compressor, frags, deltas, key)
             return mean
 
         compiled = run.lower(deltas, jr.key(1)).compile()
