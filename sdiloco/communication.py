@@ -9,6 +9,8 @@ Compressors act per *group*: a whole leaf, or one row of a leaf labelled per row
 layer of a stacked transformer), so a quantization scale never spans two fragments.
 """
 
+import functools as ft
+
 import jax
 import jax.numpy as jnp
 import jax.random as jr
@@ -60,13 +62,7 @@ def compress(
         return deltas
     out = []
     for i, (d, labels) in enumerate(zip(deltas, fragments.labels)):
-        f = compressor
-        if labels.ndim == 1:  # one group per row
-
-            def f(x, k, _c=compressor):
-                keys = jr.split(k, x.shape[0])
-                return jax.vmap(_c)(x, keys)
-
+        f = ft.partial(_per_row, compressor) if labels.ndim == 1 else compressor
         keys = jr.split(jr.fold_in(key, i), d.shape[0])
         out.append(jnp.stack([f(d[m], keys[m]) for m in range(d.shape[0])]))
     return out
@@ -114,6 +110,11 @@ def replica_mean(parts: list[Array]) -> Array:
     for part in parts[1:]:
         total = total + part
     return total / len(parts)
+
+
+def _per_row(compressor: Compressor, x: Array, key: PRNGKeyArray) -> Array:
+    """`compressor` applied to each row of `x` alone (one group per row)."""
+    return jax.vmap(compressor)(x, jr.split(key, x.shape[0]))
 
 
 def bits_per_fragment(

@@ -164,7 +164,7 @@ def fragments_by_layer(
             "every parameter leaf under `blocks` must share one leading layer axis; "
             f"got leading sizes {sorted(map(str, layer_dims))}."
         )
-    (num_layers,) = layer_dims
+    num_layers = int(next(iter(layer_dims)) or 0)
     if num_layers % layers_per_fragment:
         raise ValueError(
             f"layers_per_fragment={layers_per_fragment} does not divide the number of "

@@ -97,8 +97,10 @@ class Schedule:
 
         A traced step gives a jax array; a host int (the courier's loop) a NumPy one.
         """
-        xp = jnp if isinstance(t, jax.Array) else np
-        f = xp.asarray(self.first_send, dtype=getattr(t, "dtype", np.int64))
+        if isinstance(t, jax.Array):
+            f = jnp.asarray(self.first_send, dtype=t.dtype)
+            return (t >= f) & ((t - f) % self.sync_every == 0)
+        t, f = np.asarray(t), np.asarray(self.first_send, dtype=np.int64)
         return (t >= f) & ((t - f) % self.sync_every == 0)
 
     def in_flight(
@@ -106,6 +108,8 @@ class Schedule:
     ) -> Bool[ArrayLike, " P"]:
         """Which fragments are in flight at t: sent, their outer step (at
         `sent_at + τ_min`) still to come. jax or NumPy, as its arguments."""
+        xp = jnp if isinstance(t, jax.Array) else np
+        t, sent_at = xp.asarray(t), xp.asarray(sent_at)
         return (sent_at != NEVER) & (t < sent_at + self.min_overlap)
 
     def outer_due(

@@ -365,7 +365,7 @@ def local_phase(
     then `send` (skipped when nothing is due, `_xla.run_if`)."""
     check_batch(batch, spec.num_replicas)
     state, losses, aux = inner_update(spec, state, batch)
-    sent = spec.schedule.sent(state.step)
+    sent = jnp.asarray(spec.schedule.sent(state.step))
     state = run_if(jnp.any(sent), lambda s: send(spec, s), state)
     return state, LocalResult(losses, aux, sent)
 
@@ -451,7 +451,7 @@ def send(spec: StreamingSpec, state: StreamingState) -> StreamingState:
         if residual is not None:  # error feedback: what the last sends left out
             deltas = [d + e for d, e in zip(deltas, v.gather(residual, 1))]
         frags, key = v.group.piece_fragments(), jr.fold_in(key, v.p)
-        if spec.posted:
+        if isinstance(spec.exchange, PostedExchange):
             messages, own = spec.exchange.encode(spec.compressor, frags, deltas, key)
             outbox = _write_message(layout, outbox, v.p, messages)
         else:
@@ -467,7 +467,7 @@ def send(spec: StreamingSpec, state: StreamingState) -> StreamingState:
     inputs = (_leaves(state.global_params), _leaves(state.replica_params), key)
     residual = None if state.residual is None else jax.tree.leaves(state.residual)
     carry = (state.inflight, state.inflight_ok, residual, state.outbox)
-    sent = spec.schedule.sent(t)
+    sent = jnp.asarray(spec.schedule.sent(t))
     slots, ok, residual, outbox = layout.for_each(sent, one, carry, inputs)
     if residual is not None:
         residual = jax.tree.unflatten(jax.tree.structure(state.residual), residual)
@@ -533,7 +533,10 @@ def outer_update(
 
     def one(v: Visit, inflight, carry):
         grads = layout.read(inflight, v.group, v.p)
-        return fragment_outer_step(spec.outer, v, *carry, grads, spec.memory)
+        params, outer_state = carry
+        return fragment_outer_step(
+            spec.outer, v, params, outer_state, grads, spec.memory
+        )
 
     carry = (params, state.outer_state)
     params, outer_state = layout.for_each(applied, one, carry, state.inflight)
@@ -596,7 +599,7 @@ def inflight_outer_gradients(spec: StreamingSpec, state: StreamingState) -> Para
     arrays = eqx.filter(state.global_params, eqx.is_inexact_array)
     leaves, treedef = jax.tree.flatten(arrays)
     layout = spec.layout(arrays)
-    in_flight = spec.schedule.in_flight(state.step, state.sent_at)
+    in_flight = jnp.asarray(spec.schedule.in_flight(state.step, state.sent_at))
 
     def one(v: Visit, inflight, out):
         return v.scatter(out, layout.read(inflight, v.group, v.p))

@@ -48,7 +48,10 @@ class Quantized(NamedTuple):
 class Compressor(eqx.Module):
     """Abstract outer-gradient compressor acting on one tensor (Alg. 2 l.8)."""
 
-    needs_key: eqx.AbstractVar[bool]
+    @property
+    @abc.abstractmethod
+    def needs_key(self) -> bool:
+        """Whether the compressor is random (and needs a PRNG key)."""
 
     @abc.abstractmethod
     def __call__(

@@ -162,6 +162,7 @@ class Quantizer(Compressor):
         if self.rounding == "nearest":
             mag_code = formats.round_nearest(a, mags)
         else:
+            assert key is not None  # check_key raised on a missing key
             u = jr.uniform(key, a.shape, cdtype)
             mag_code = formats.round_stochastic(a, mags, u)
         signed = jnp.where(v < 0, -mag_code, mag_code) + (len(mags) - 1)
@@ -229,7 +230,9 @@ def quantizer(
         >>> q.bits((4,))
         48
     """
-    return Quantizer(format, granularity, block_size, rounding)
+    return Quantizer(
+        format=format, granularity=granularity, block_size=block_size, rounding=rounding
+    )
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -53,6 +53,7 @@ class _RandomSubset(Compressor):
         if n == 0:
             return x
         k = _kept(self.rate, n)
+        assert key is not None  # check_key raised on a missing key
         keep = _random_subset(key, n, k).reshape(x.shape)
         factor = self._factor(n, k)
         if factor == 1.0:
@@ -154,7 +155,7 @@ def fed_dropout(rate: float) -> Compressor:
     Returns:
         A `FedDropout` compressor (needs a key).
     """
-    return FedDropout(rate)
+    return FedDropout(rate=rate)
 
 
 def dare(rate: float) -> Compressor:
@@ -166,7 +167,7 @@ def dare(rate: float) -> Compressor:
     Returns:
         A `Dare` compressor (needs a key).
     """
-    return Dare(rate)
+    return Dare(rate=rate)
 
 
 def top_k(fraction: float) -> Compressor:
@@ -178,7 +179,7 @@ def top_k(fraction: float) -> Compressor:
     Returns:
         A `TopK` compressor.
     """
-    return TopK(fraction)
+    return TopK(fraction=fraction)
 
 
 # ----------------------------------------------------------------------------- helpers

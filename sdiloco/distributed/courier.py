@@ -401,7 +401,7 @@ class Courier:
 
     def _post_one(self, state: Any, p: int, sent: int, arrival: int) -> None:
         k, size = int(self._slots[p]), int(self._sizes[p])
-        event = {"fragment": p, "arrival_step": arrival, "bytes": size}
+        event: dict[str, Any] = {"fragment": p, "arrival_step": arrival, "bytes": size}
         event["posted"] = time.perf_counter()
         if self._pool is None:
             future = _take(state.outbox, k, size, None)
@@ -478,6 +478,7 @@ class Courier:
 
     def _from_comm(self, out: Array) -> Array:
         """Every replica's messages, replicated over the compute mesh."""
+        assert self.mesh is not None
         local = out.addressable_data(0)
         sharding = NamedSharding(self.mesh, PartitionSpec())
         devices = sharding.addressable_devices

@@ -123,7 +123,8 @@ def process_replicas(mesh: Mesh, num_replicas: int) -> list[int]:
     sharding = NamedSharding(mesh, PartitionSpec(AXIS))
     index = sharding.addressable_devices_indices_map((num_replicas,))
     out = set()
-    for (s,) in index.values():
+    for entry in index.values():
+        (s,) = tuple(entry or ())
         out.update(range(*s.indices(num_replicas)))
     return sorted(out)
 

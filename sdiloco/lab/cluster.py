@@ -94,6 +94,8 @@ def connect(
             f"a multi-process run needs coordinator, num_processes and process_id "
             f"together; missing: {missing}."
         )
+    assert coordinator is not None and num_processes is not None
+    assert process_id is not None
     host, _, port = coordinator.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(

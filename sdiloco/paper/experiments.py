@@ -34,6 +34,7 @@ from ..analysis import outer_gradient_cosine
 from ..fragments import fragments_by_layer
 from ..lab import train
 from ..lab.config import RunConfig, preset
+from ..lab.methods import StreamingConfig
 from ..lab.model import preset as preset_model
 from .plotting import FAST, REPO_ROOT
 
@@ -427,6 +428,8 @@ def cosine_callback(run: train.Run) -> tuple[Callable, Callable[[], dict]]:
         parameters).
     """
     method = run.config.method
+    if not isinstance(method, StreamingConfig):
+        raise ValueError(f"cosine_callback needs a Streaming run; got {method.kind!r}.")
     if min(np.atleast_1d(method.overlap)) < 1:
         raise ValueError(
             f"cosine_callback needs overlap >= 1; got overlap={method.overlap!r}."

@@ -146,9 +146,9 @@ def _jsonable(x: Any) -> Any:
     if isinstance(x, list | tuple):
         return [_jsonable(v) for v in x]
     if hasattr(x, "item") and getattr(x, "ndim", 1) == 0:
-        return x.item()
+        return getattr(x, "item")()
     if hasattr(x, "tolist"):
-        return x.tolist()
+        return getattr(x, "tolist")()
     if isinstance(x, str | int | float | bool) or x is None:
         return x
     return repr(x)

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from ..lab.config import RunConfig, preset as make_preset
+from ..lab.methods import DiLoCoConfig, StreamingConfig
 from . import experiments
 
 # Re-exported: the protocol's budget and its statistic live with the experiments.
@@ -146,10 +147,11 @@ def coordinate_search(
             "DataConfig.validation=False in the base config; tuning must evaluate on "
             "the validation split, not on the held-out split the tables report."
         )
-    if train is None:
 
-        def train(name: str, config: RunConfig, seed: int) -> float:
-            return experiments.run_one(name, config, seed).final(metric)
+    def recorded(name: str, config: RunConfig, seed: int) -> float:
+        return experiments.run_one(name, config, seed).final(metric)
+
+    train_fn = recorded if train is None else train
 
     current, trials, infeasible = base, [], []
     seen: dict[str, Trial] = {}
@@ -164,7 +166,7 @@ def coordinate_search(
         key = config.to_json()
         if key not in seen:
             name = f"{axis.field}={value}"
-            losses = [train(name, config, s) for s in seeds]
+            losses = [train_fn(name, config, s) for s in seeds]
             seen[key] = Trial(axis.field, value, config, losses)
         t = dataclasses.replace(seen[key], axis=axis.field, value=value)
         trials.append(t)
@@ -341,6 +343,7 @@ def rounds_sweep(
             config = coordinate_search(config, outer, regime=at).best
         config = config.replace(data={"validation": False})
         losses = [experiments.run_one(method, config, s).final(metric) for s in seeds]
+        assert isinstance(config.method, DiLoCoConfig | StreamingConfig)
         rows.append(
             {
                 "rounds": r,

@@ -145,6 +145,7 @@ def _fragment_params(num_params, num_layers, layers_per_fragment, fragment_param
         num_layers,
         'an int >= 1 for method "streaming" (or give fragment_params)',
     )
+    assert num_layers is not None  # checked above
     num_fragments = math.ceil(num_layers / layers_per_fragment)
     largest = -(-num_layers // num_fragments)  # ⌈L / P⌉ layers
     return num_params * largest / num_layers

@@ -102,6 +102,7 @@ class Method:
             return np.zeros(num_layers, dtype=np.int64)
         if self.pattern == "strided":
             return layers % num_fragments
+        assert self.layers_per_fragment is not None  # num_fragments > 1
         return layers // self.layers_per_fragment
 
     def sync_offsets(self, num_fragments: int) -> np.ndarray:

@@ -274,7 +274,11 @@ def bandwidth_table(
             gbps = required_bandwidth(w, m, list(targets), grid=grid, latency=latency)
             rows.append(
                 BandwidthRow(
-                    w.name, w.num_layers, w.step_time, m.name, tuple(map(float, gbps))
+                    w.name,
+                    w.num_layers,
+                    w.step_time,
+                    m.name,
+                    tuple(map(float, np.atleast_1d(gbps))),
                 )
             )
     return rows
