@@ -112,6 +112,36 @@ class Visit:
             leaves[i] = self.scatter_one(k, leaves[i], piece, axis)
         return leaves
 
+    def update(
+        self,
+        leaves: list[Array],
+        others: list[Array],
+        fn: Callable[[Array, Array], Array],
+        axis: int = 0,
+    ) -> list[Array]:
+        """`leaves` with the fragment's piece x of each replaced by `fn(x, y)`, y
+        the same piece of `others` (rows along `axis` of `leaves`, along the first
+        axis of `others`), for an elementwise `fn` that may broadcast `y` against x.
+
+        A stacked leaf is updated one row at a time, in place: the row is read,
+        transformed and written back with its row axis kept (size 1), so no piece
+        of the fragment's size is made.
+        """
+        leaves = list(leaves)
+        for k, i in enumerate(self.group.leaves):
+            x, y, rows = leaves[i], others[i], self.rows[k]
+            if rows is None:
+                leaves[i] = fn(x, y).astype(x.dtype)
+                continue
+            for r in range(rows.shape[0]):
+                row = jax.lax.dynamic_slice_in_dim(x, rows[r], 1, axis)
+                new = fn(row, jax.lax.dynamic_slice_in_dim(y, rows[r], 1, 0))
+                x = jax.lax.dynamic_update_slice_in_dim(
+                    x, new.astype(x.dtype), rows[r], axis
+                )
+            leaves[i] = x
+        return leaves
+
     def gather_one(self, k: int, x: Array, axis: int = 0) -> Array:
         """The fragment's piece of `x`, an array shaped like touched leaf k (with
         `axis` leading batch axes).

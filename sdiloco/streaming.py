@@ -565,14 +565,13 @@ def merge_arrivals(
     r_leaves, r_def = jax.tree.flatten(replicas)
 
     def one(v: Visit, g_leaves, r_leaves):
-        g = [spec.memory.fetch(x) for x in v.gather(g_leaves)]
-        r = v.gather(r_leaves, axis=1)
         due, ok = merging[:, v.p], keep[v.p]
-        new = [
-            merge(ri, gi, due.reshape((-1,) + (1,) * gi.ndim), ok, spec.alpha)
-            for ri, gi in zip(r, g)
-        ]
-        return v.scatter(r_leaves, new, axis=1)
+
+        def mix(r: Array, g: Array) -> Array:  # a piece (or a row) of each
+            g = spec.memory.fetch(g)
+            return merge(r, g, due.reshape((-1,) + (1,) * g.ndim), ok, spec.alpha)
+
+        return v.update(r_leaves, g_leaves, mix, axis=1)
 
     arriving = spec.schedule.arriving(state.step, state.sent_at)
     r_leaves = layout.for_each(arriving, one, r_leaves, _leaves(state.global_params))
