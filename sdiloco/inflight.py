@@ -79,14 +79,12 @@ class Visit:
 
     Attributes:
         group: the fragment's group.
-        j: its position among the group's members (traced).
         p: the fragment's id (traced).
         rows: per touched leaf, None (the whole leaf) or the `[r]` rows it holds
             (traced: data to the compiler, see `Layout.for_each`).
     """
 
     group: Group
-    j: Int[Array, ""]
     p: Int[Array, ""]
     rows: tuple[Int[Array, " r"] | None, ...]
 
@@ -94,8 +92,7 @@ class Visit:
     def of(group: Group, j: Int[ArrayLike, ""]) -> "Visit":
         """Member j of `group`, outside a loop (e.g. to read a fragment in a test)."""
         rows = tuple(None if r is None else jnp.asarray(r)[j] for r in group.rows)
-        j = jnp.asarray(j, jnp.int32)
-        return Visit(group, j, jnp.asarray(group.members, jnp.int32)[j], rows)
+        return Visit(group, jnp.asarray(group.members, jnp.int32)[j], rows)
 
     def gather(self, leaves: list[Array], axis: int = 0) -> list[Array]:
         """The fragment's pieces of `leaves` (all the leaves; rows along `axis`)."""
@@ -244,7 +241,7 @@ class Layout:
             def body(j, inputs, carry, group=group, members=members):
                 tables, inputs = inputs
                 rows = tuple(None if t is None else t[j] for t in tables)
-                return fn(Visit(group, j, members[j], rows), inputs, carry)
+                return fn(Visit(group, members[j], rows), inputs, carry)
 
             selection = selected[members]
             carry = loop_over_selected(selection, body, (tables, inputs), carry)

@@ -77,7 +77,7 @@ def fragment_outer_step(
 
     Args:
         outer: the outer optimizer.
-        visit: the fragment: its group, its position j in it, its id p.
+        visit: the fragment: its group, its id p and its rows.
         params: θ_g (inexact arrays only).
         state: the per-fragment outer state from `outer_init`.
         grads: Δ̄_p, one array per piece of the fragment (`visit.group.shapes`).
