@@ -71,7 +71,7 @@ PAPER_SIZES = ("35M", "100M", "200M", "300M", "500M", "1B")
 
 # %%
 configs = {
-    f"{method}|{size}": ex.setup(preset, model=size)
+    f"{method}|{size}": ex.setup(preset, model=size, regime=ex.REGIME_PER_BATCH)
     for method, preset in METHODS.items()
     for size in SIZES
 }

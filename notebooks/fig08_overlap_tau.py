@@ -45,13 +45,14 @@ ALPHAS = (0.5,) if plotting.FAST else (0.0, 0.5)
 configs = {
     f"tau={tau}|alpha={alpha}": ex.setup(
         "streaming_overlap_fp4",
+        regime=ex.REGIME_PER_BATCH,
         method={"quantizer": None, "overlap": tau, "alpha": alpha},
     )
     for alpha in ALPHAS
     for tau in TAUS
 }
 results = ex.run_all(configs, SEEDS)
-baseline = ex.run_all({"Data-Parallel": ex.setup("data_parallel")}, SEEDS)
+baseline = ex.run_all({"Data-Parallel": ex.setup("data_parallel", regime=ex.REGIME_PER_BATCH)}, SEEDS)
 stats = ex.summarize(results)
 dp = ex.summarize(baseline)["Data-Parallel"]
 first = configs[next(iter(configs))]

@@ -50,13 +50,16 @@ if plotting.FAST:
 
 # %%
 configs = {
-    name: ex.setup("streaming_overlap_fp4", method={"quantizer": fmt})
+    name: ex.setup(
+        "streaming_overlap_fp4", regime=ex.REGIME_PER_BATCH, method={"quantizer": fmt}
+    )
     for name, fmt in FORMATS.items()
 }
 for name, kind in SPARSIFIERS.items():
     for rate in RATES:
         configs[f"{name}|{rate}"] = ex.setup(
             "streaming_overlap_fp4",
+            regime=ex.REGIME_PER_BATCH,
             method={"quantizer": None, "sparsifier": kind, "drop_rate": rate},
         )
 results = ex.run_all(configs, SEEDS)

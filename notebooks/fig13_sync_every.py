@@ -41,7 +41,7 @@ plotting.style()
 NOTEBOOK = "fig13_sync_every"
 ROUNDS = (2,) if plotting.FAST else (50, 200, 800)
 SEEDS = ex.SEEDS
-diloco = ex.setup("diloco")
+diloco = ex.setup("diloco", regime=ex.REGIME_PER_BATCH)
 TUNED = {  # DiLoCo's tuned settings, given to every method of the sweep
     "inner": {"lr": diloco.inner.lr},
     "data": {"global_batch_size": diloco.data.global_batch_size},
@@ -60,7 +60,7 @@ METHODS = {
 configs = {
     f"{method}|R={r}": ex.setup(
         preset,
-        regime=dataclasses.replace(ex.REGIME, rounds=r),
+        regime=dataclasses.replace(ex.REGIME_PER_BATCH, rounds=r),
         method=method_changes,
         **TUNED,
     )
@@ -70,7 +70,7 @@ configs = {
 H = {r: configs[f"DiLoCo|R={r}"].method.sync_every for r in ROUNDS}
 results = ex.run_all(configs, SEEDS)
 stats = ex.summarize(results)
-dp_results = ex.run_all({"Data-Parallel": ex.setup("data_parallel")}, SEEDS)
+dp_results = ex.run_all({"Data-Parallel": ex.setup("data_parallel", regime=ex.REGIME_PER_BATCH)}, SEEDS)
 dp = ex.summarize(dp_results)["Data-Parallel"]
 
 

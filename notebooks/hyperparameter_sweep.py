@@ -31,6 +31,8 @@
 # tables report. One seed per trial.
 
 # %%
+import dataclasses
+
 import matplotlib.pyplot as plt
 
 from sdiloco.lab import config as config_lib, model as model_lib
@@ -44,7 +46,9 @@ FAST = plotting.FAST
 # `python -m sdiloco.paper.tuning MODEL` (its trials are recorded as they finish, over
 # as many sessions as it takes) and added here when done.
 SIZES = ("tiny-xxs",) if FAST else ("tiny-xxxs", "tiny-xxs", "tiny-xs", "tiny-s")
-REGIME = tuning.Regime(0.5, 4, evals=1, eval_batches=2) if FAST else tuning.Regime()
+REGIME = (
+    tuning.Regime(0.5, 4, evals=1, eval_windows=32) if FAST else ex.REGIME_PER_BATCH
+)
 SEEDS = (0,)
 
 
@@ -197,7 +201,7 @@ for size, budgets in BUDGETS.items():
     for tpp in budgets:
         budget = None
         if tpp != REGIME.tokens_per_param:
-            budget = tuning.Regime(tpp, REGIME.rounds)
+            budget = dataclasses.replace(REGIME, tokens_per_param=tpp)
         losses = tuning.headline(
             size, regime=REGIME, seeds=HEADLINE_SEEDS, budget=budget, axes=axes
         )

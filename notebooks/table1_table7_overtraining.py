@@ -64,7 +64,7 @@ NUM_PARAMS = model_lib.preset(ex.MODEL).num_params()
 # %%
 configs = {}
 for label, factor in BUDGETS.items():
-    regime = ex.REGIME.scaled(factor)
+    regime = ex.REGIME_PER_BATCH.scaled(factor)
     configs[f"Data-Parallel|{label}"] = ex.setup("data_parallel", regime=regime)
     ours = ex.setup("streaming_overlap_fp4", regime=regime)
     configs[f"Ours, M=2|{label}"] = ours

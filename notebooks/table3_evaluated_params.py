@@ -42,7 +42,11 @@ WHICH = {
 PAPER = {"First replica": 2.77, "Replicas average": 2.68, "Outer parameters": 2.67}
 
 # %%
-config = ex.setup("streaming_overlap_fp4", eval_params=("first", "average", "global"))
+config = ex.setup(
+    "streaming_overlap_fp4",
+    regime=ex.REGIME_PER_BATCH,
+    eval_params=("first", "average", "global"),
+)
 results = ex.run_all({"streaming": config}, SEEDS)
 rows = []
 for label, key in WHICH.items():

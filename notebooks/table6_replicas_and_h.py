@@ -49,7 +49,7 @@ configs = {
     f"{size}|M={m}|H={h}": ex.setup(
         "streaming_overlap_fp4",
         model=size,
-        regime=dataclasses.replace(ex.REGIME, rounds=rounds),
+        regime=dataclasses.replace(ex.REGIME_PER_BATCH, rounds=rounds),
         method={"num_replicas": m},
     )
     for size in SIZES

@@ -93,6 +93,16 @@ def test_replace_switches_the_method_keeping_shared_fields():
             lambda: config_lib.RunConfig.from_json('{"model": "tiny-s", "nope": 1}'),
             "nope",
         ),
+        (
+            lambda: config_lib.preset("streaming", inner={"warmup_fraction": 1.0}),
+            r"InnerConfig.warmup_fraction=1.0; must be in \(0, 1\)",
+        ),
+        (
+            lambda: config_lib.preset("streaming", inner={"warmup_fraction": 0.0}),
+            "InnerConfig.warmup_fraction=0.0",
+        ),
+        (lambda: config_lib.Regime(0.0), "Regime.tokens_per_param=0.0"),
+        (lambda: config_lib.Regime(20.0, 0), "Regime.rounds=0"),
     ],
 )
 def test_bad_fields_are_named(build, field):

@@ -354,3 +354,29 @@ def test_bad_token_files_raise(tmp_path):
     (tmp_path / "junk.npy").write_bytes(b"not numpy")
     with pytest.raises(ValueError, match="readable"):
         load_tokens(tmp_path / "junk.npy")
+
+
+def test_evaluation_windows_do_not_depend_on_a_batch():
+    """The fixed set is the windows the per-batch iterator reads for the same count,
+    and `None` is every window, each evaluation token predicted once."""
+    from sdiloco.lab.data import evaluation_windows
+
+    tokens = np.arange(2000) % 251
+    fixed = evaluation_windows(tokens, seq_len=8, num_windows=40)
+    for batch in (4, 8, 20):
+        batches = list(
+            make_eval_iterator(
+                tokens, batch_size=batch, seq_len=8, num_batches=40 // batch
+            )
+        )
+        inputs = np.concatenate([b["inputs"] for b in batches])
+        np.testing.assert_array_equal(inputs, fixed["inputs"])
+    every = evaluation_windows(tokens, seq_len=8)
+    assert every["inputs"].shape == ((2000 - 1) // 8, 8)
+    np.testing.assert_array_equal(
+        every["targets"].reshape(-1), tokens[1 : 1 + every["targets"].size]
+    )
+    with pytest.raises(ValueError, match="num_windows=250; only 249 windows"):
+        evaluation_windows(tokens, seq_len=8, num_windows=250)
+    with pytest.raises(ValueError, match="num_windows=0"):
+        evaluation_windows(tokens, seq_len=8, num_windows=0)

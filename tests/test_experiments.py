@@ -7,7 +7,7 @@ import pathlib
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from sdiloco.lab import model as model_lib
+from sdiloco.lab import config as config_lib, model as model_lib
 from sdiloco.paper import experiments as ex
 
 
@@ -159,3 +159,51 @@ def test_run_times_count_each_run_once_and_sum_their_training():
     ]
     assert figures.run_times(lines) == {"runs": 3, "trained": 1, "train_s": 120.2}
     assert figures.run_times([]) == {"runs": 0, "trained": 0, "train_s": 0.0}
+
+
+@pytest.mark.parametrize("name", ["data_parallel", "diloco", "streaming_overlap_fp4"])
+def test_standard_regime_scores_every_method_on_one_set_with_a_relative_warmup(name):
+    config = ex.setup(name, regime=ex.Regime(20.0, 50))
+    assert config.eval_windows is None  # every held-out window, whatever the batch
+    fraction = _tuned_table()[name][ex.MODEL].get(
+        "inner.warmup_fraction", config_lib.DEFAULT_WARMUP_FRACTION
+    )
+    assert config.inner.warmup_fraction == fraction
+    assert config.inner.warmup(config.steps) == max(1, round(fraction * config.steps))
+
+
+@pytest.mark.parametrize("name", ["data_parallel", "streaming_overlap_fp4"])
+def test_per_batch_regime_rebuilds_the_configs_of_the_old_records(name):
+    """The old evaluation (16 of the run's batches) and warmup (a sixth, in steps)."""
+    config = ex.setup(
+        name,
+        regime=ex.Regime(20.0, 50, eval_windows=ex.PerBatch(16), warmup_fraction=1 / 6),
+    )
+    assert config.eval_windows == 16 * config.data.global_batch_size
+    assert config.inner.warmup_fraction is None
+    assert config.inner.warmup_steps == round(config.steps / 6)
+
+
+def test_cli_budget_trains_the_notebooks_config():
+    """`--tokens-per-param/--rounds/--seed` give the config `setup` + `with_seed` give."""
+    from sdiloco.lab import cli
+
+    for preset in ("data_parallel", "streaming_overlap_fp4"):
+        args = cli._parser().parse_args(
+            [
+                "train",
+                "--preset",
+                preset,
+                "--model",
+                "tiny-xs",
+                "--tokens-per-param",
+                "20",
+                "--rounds",
+                "50",
+                "--seed",
+                "3",
+            ]
+        )
+        regime = config_lib.Regime(20.0, 50)
+        want = ex.with_seed(ex.setup(preset, model="tiny-xs", regime=regime), 3)
+        assert cli._config(args).replace(name="") == want.replace(name="")

@@ -11,9 +11,9 @@ from helpers import assert_trees_equal, tree_equal
 
 import sdiloco
 from sdiloco.__main__ import main
-from sdiloco.lab import config as config_lib
+from sdiloco.lab import config as config_lib, data as data_lib, model as model_lib
 from sdiloco.lab.checkpoint import CheckpointError
-from sdiloco.lab.train import run
+from sdiloco.lab.train import build, run
 
 
 @pytest.fixture(autouse=True)
@@ -28,7 +28,7 @@ def _tiny(preset="streaming_overlap_fp4", **changes):
         model="tiny-xs",
         steps=12,
         eval_every=100,
-        eval_batches=2,
+        eval_windows=8,
         log_every=4,
         data={"global_batch_size": 4},
         inner={"lr": 3e-3, "warmup_steps": 2},
@@ -50,7 +50,7 @@ def test_learns_below_unigram_entropy():
         model="tiny-s",
         steps=250,
         eval_every=250,
-        eval_batches=4,
+        eval_windows=64,
         log_every=50,
         method={"sync_every": 20, "overlap": 1},
         data={"global_batch_size": 16},
@@ -168,3 +168,58 @@ def test_every_preset_builds(name):
 def test_bad_config(changes, match):
     with pytest.raises(ValueError, match=match):
         config_lib.preset("streaming_overlap_fp4", **changes)
+
+
+def _evaluate(cfg):
+    """The run's evaluator applied to its initial global parameters."""
+    from sdiloco.lab.cluster import Placement
+    from sdiloco.lab.train import _evaluator
+
+    r = build(cfg)
+    place = Placement.of(cfg.method.num_replicas)
+    state = r.algorithm.init(r.model)
+    return _evaluator(r, cfg, place)(state), r
+
+
+def test_evaluation_set_is_the_same_for_every_method_and_batch():
+    """Scored on the same windows whatever the batch or method: the initial model
+    (same seed) gets the same loss from Data-Parallel at batch 4 and Streaming at 16."""
+    a, _ = _evaluate(_tiny("data_parallel", eval_windows=300))
+    b, _ = _evaluate(_tiny(eval_windows=300, data={"global_batch_size": 16}))
+    assert a["eval/global"] == b["eval/global"]
+    assert a["eval_se/global"] == b["eval_se/global"]
+
+
+def test_evaluation_is_the_mean_over_windows_with_its_standard_error():
+    """Against a float64 NumPy reduction of each window scored alone (batch of one,
+    through `loss_with_aux`, not the evaluator's chunked path)."""
+    cfg = _tiny(eval_windows=300)  # 300 windows: one full chunk of 256 and a padded one
+    out, r = _evaluate(cfg)
+    windows = data_lib.evaluation_windows(
+        r.heldout_tokens, seq_len=r.model_config.seq_len, num_windows=300
+    )
+    per = np.asarray(
+        [
+            float(
+                model_lib.loss_with_aux(
+                    r.model, {k: v[i : i + 1] for k, v in windows.items()}
+                )[1]["ce"]
+            )
+            for i in range(300)
+        ],
+        np.float64,
+    )
+    np.testing.assert_allclose(out["eval/global"], per.mean(), rtol=1e-6)
+    np.testing.assert_allclose(
+        out["eval_se/global"], per.std(ddof=1) / np.sqrt(300), rtol=1e-4
+    )
+    assert out["bpb/global"] == pytest.approx(out["eval/global"] / np.log(2))
+
+
+def test_too_many_evaluation_windows_is_an_error_before_training():
+    with pytest.raises(
+        ValueError, match=r"RunConfig.eval_windows=100000000; .*allowed"
+    ):
+        build(_tiny(eval_windows=10**8))
+    with pytest.raises(ValueError, match="RunConfig.eval_windows=0"):
+        _tiny(eval_windows=0)

@@ -231,8 +231,12 @@ def test_save_tuned_writes_each_axis_choice_and_keeps_other_entries(tmp_path):
     path.write_text('{"diloco": {"tiny-s": {"inner.lr": 0.01}}}')
     best = _base(inner={"lr": 0.012}, method={"outer": {"lr": 0.8, "momentum": 0.5}})
     best = best.replace(data={"global_batch_size": 32})
+    swept = [
+        tuning.Trial(a.field, None, best, [1.0])
+        for a in tuning.standard_axes("streaming")
+    ]
     table = tuning.save_tuned(
-        {("tiny-xxs", "Streaming FP4"): tuning.Search(best, [])}, str(path)
+        {("tiny-xxs", "Streaming FP4"): tuning.Search(best, swept)}, str(path)
     )
     written = json.loads(path.read_text())
     assert written == table
@@ -243,3 +247,17 @@ def test_save_tuned_writes_each_axis_choice_and_keeps_other_entries(tmp_path):
         "data.global_batch_size": 32,
     }
     assert written["diloco"] == {"tiny-s": {"inner.lr": 0.01}}
+    # a later search of the warmup alone adds its choice and keeps the others
+    warm = best.replace(inner={"warmup_fraction": 0.125})
+    trial = tuning.Trial(tuning.WARMUP.field, 0.125, warm, [1.0])
+    tuning.save_tuned(
+        {("tiny-xxs", "Streaming FP4"): tuning.Search(warm, [trial])}, str(path)
+    )
+    written = json.loads(path.read_text())
+    assert written["streaming_overlap_fp4"]["tiny-xxs"] == {
+        "inner.lr": 0.012,
+        "method.outer.lr": 0.8,
+        "method.outer.momentum": 0.5,
+        "data.global_batch_size": 32,
+        "inner.warmup_fraction": 0.125,
+    }

@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     try:
-        cfg = config_lib.preset(args.preset, **_changes(args))
+        cfg = _config(args)
     except ValueError as e:
         return _fail(str(e))
     # Only now, the checks passed: importing the training loop is slow.
@@ -88,6 +88,29 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _config(args: argparse.Namespace) -> config_lib.RunConfig:
+    """The preset with the flags' changes, then the budget's steps, H and warmup.
+
+    With `--tokens-per-param` the run is the notebooks' (`sdiloco.paper.experiments
+    .setup`): the same `config.Regime` computes its steps, H (from `--rounds`,
+    default 50), warmup and evaluations.
+    """
+    if args.tokens_per_param is None:
+        if args.rounds is not None:
+            raise ValueError(
+                f"--rounds={args.rounds} needs --tokens-per-param (a budget)."
+            )
+        return config_lib.preset(args.preset, **_changes(args))
+    for flag, value in (("--steps", args.steps), ("--sync-every", args.sync_every)):
+        if value is not None:
+            raise ValueError(
+                f"{flag}={value} with --tokens-per-param={args.tokens_per_param}; "
+                "the budget sets the steps and H (give one or the other)."
+            )
+    regime = config_lib.Regime(args.tokens_per_param, args.rounds or 50)
+    return regime.apply(config_lib.preset(args.preset, **_changes(args)))
+
+
 def _changes(args: argparse.Namespace) -> dict:
     """The preset changes the flags ask for (flags not given change nothing)."""
     method = _given(
@@ -104,8 +127,11 @@ def _changes(args: argparse.Namespace) -> dict:
         steps=args.steps,
         seed=args.seed,
         checkpoint_every=args.checkpoint_every,
+        eval_windows=args.eval_windows,
     )
-    data = _given(global_batch_size=args.batch_size, token_file=args.tokens)
+    data = _given(
+        global_batch_size=args.batch_size, token_file=args.tokens, seed=args.seed
+    )
     if method:
         changes["method"] = method
     if data:
@@ -139,7 +165,25 @@ def _parser() -> argparse.ArgumentParser:
     )
     t.add_argument("--batch-size", type=int, help="global batch size (sequences)")
     t.add_argument("--lr", type=float, help="peak inner learning rate")
-    t.add_argument("--seed", type=int, help="model/data seed")
+    t.add_argument(
+        "--seed", type=int, help="seed of the model, the compressors and the data order"
+    )
+    t.add_argument(
+        "--tokens-per-param",
+        type=float,
+        help="train this budget (20: compute-optimal): sets the steps, H, warmup and "
+        "evaluations as the paper notebooks do (instead of --steps/--sync-every)",
+    )
+    t.add_argument(
+        "--rounds",
+        type=int,
+        help="outer rounds of the budget (H = steps / rounds; default 50)",
+    )
+    t.add_argument(
+        "--eval-windows",
+        type=int,
+        help="held-out windows per evaluation (default: every window)",
+    )
     t.add_argument("--tokens", help="a token file (.npy or raw) instead of the corpus")
     t.add_argument("--checkpoint-every", type=int, help="steps between checkpoints")
     t.add_argument("--out", help="output directory (history, checkpoints)")

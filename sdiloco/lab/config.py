@@ -19,6 +19,7 @@ strided, E3M0 outer gradients, outer SGD(0.4, Nesterov 0.9), inner AdamW
 
 import dataclasses
 import json
+import math
 import pathlib
 from collections.abc import Callable
 from typing import Any
@@ -46,7 +47,11 @@ class InnerConfig:
     lr: float = 3e-3
     """Peak learning rate."""
     warmup_steps: int = 50
-    """Linear warmup from 0 to `lr`."""
+    """Linear warmup from 0 to `lr` (unless `warmup_fraction` is set)."""
+    warmup_fraction: float | None = None
+    """The warmup as a fraction of the run's steps (`round(fraction · steps)`, at
+    least 1), which keeps the schedule's shape when the budget changes; when set it
+    replaces `warmup_steps`. The tuned presets set it (`TUNED`)."""
     min_lr_ratio: float = 0.05
     """Cosine decay ends at `min_lr_ratio * lr` (5 % in the companion papers)."""
     b1: float = 0.9
@@ -60,6 +65,16 @@ class InnerConfig:
     def __post_init__(self):
         fields.positive("InnerConfig.lr", self.lr)
         fields.nonnegative_int("InnerConfig.warmup_steps", self.warmup_steps)
+        if self.warmup_fraction is not None:
+            fields.positive("InnerConfig.warmup_fraction", self.warmup_fraction)
+            fields.in_range(
+                "InnerConfig.warmup_fraction",
+                self.warmup_fraction,
+                0,
+                1,
+                "(0, 1)",
+                open_high=True,
+            )
         fields.in_range("InnerConfig.min_lr_ratio", self.min_lr_ratio, 0, 1, "[0, 1]")
         fields.in_range("InnerConfig.b1", self.b1, 0, 1, "[0, 1)", open_high=True)
         fields.in_range("InnerConfig.b2", self.b2, 0, 1, "[0, 1)", open_high=True)
@@ -68,9 +83,15 @@ class InnerConfig:
         if self.clip_norm is not None:
             fields.positive("InnerConfig.clip_norm", self.clip_norm)
 
+    def warmup(self, total_steps: int) -> int:
+        """Warmup steps of a run of `total_steps`."""
+        if self.warmup_fraction is None:
+            return self.warmup_steps
+        return max(1, round(self.warmup_fraction * total_steps))
+
     def schedule(self, total_steps: int) -> optax.Schedule:
         """Warmup then cosine decay to `min_lr_ratio * lr` at `total_steps`."""
-        warmup = min(self.warmup_steps, max(total_steps - 1, 0))
+        warmup = min(self.warmup(total_steps), max(total_steps - 1, 0))
         return optax.warmup_cosine_decay_schedule(
             init_value=0.0,
             peak_value=self.lr,
@@ -139,8 +160,9 @@ class RunConfig:
     """Seed of the model initialisation and stochastic compressors."""
     eval_every: int = 100
     """Evaluate the held-out loss every this many steps (and at the end)."""
-    eval_batches: int = 8
-    """Held-out batches per evaluation."""
+    eval_windows: int | None = None
+    """Held-out windows per evaluation, spread evenly over the split and the same for
+    every method and batch (`data.evaluation_windows`); None: every window."""
     eval_params: tuple[str, ...] = ("global",)
     """Which parameters to evaluate: any of "global", "average", "first"."""
     log_every: int = 10
@@ -163,8 +185,10 @@ class RunConfig:
         if isinstance(self.eval_params, list):
             object.__setattr__(self, "eval_params", tuple(self.eval_params))
         model_lib.preset(self.model)  # raises ValueError on an unknown name
-        for name in ("steps", "eval_every", "eval_batches", "log_every"):
+        for name in ("steps", "eval_every", "log_every"):
             fields.positive_int(f"RunConfig.{name}", getattr(self, name))
+        if self.eval_windows is not None:
+            fields.positive_int("RunConfig.eval_windows", self.eval_windows)
         fields.nonnegative_int("RunConfig.checkpoint_every", self.checkpoint_every)
         fields.positive_int("RunConfig.keep_checkpoints", self.keep_checkpoints)
         bad = [p for p in self.eval_params if p not in ("global", "average", "first")]
@@ -326,3 +350,109 @@ def _nested(path: str, value: Any) -> dict[str, Any]:
     for part in reversed(rest):
         value = {part: value}
     return {head: value}
+
+
+# ----------------------------------------------------------------------------- budgets
+
+
+DEFAULT_WARMUP_FRACTION: float = 1 / 6
+"""The warmup of a budgeted run whose preset has no tuned warmup (`Regime.apply`)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PerBatch:
+    """The evaluation set of the records made before the fixed set: `batches` times
+    the run's own global batch of held-out windows, so a method's batch decided how
+    much text it was scored on. Kept only so that those records stay readable; every
+    new run scores a fixed set (`RunConfig.eval_windows`)."""
+
+    batches: int
+
+    def windows(self, config: RunConfig) -> int:
+        return self.batches * config.data.global_batch_size
+
+
+@dataclasses.dataclass(frozen=True)
+class Regime:
+    """The budget of a run: tokens per parameter and, for the DiLoCo family, rounds.
+
+    The one place that turns a budget into steps, H and a warmup, for the CLI
+    (`--tokens-per-param`, `--rounds`), the notebooks (`sdiloco.paper.experiments
+    .setup`) and the tuning protocol alike. A budget in these units keeps its meaning
+    when the batch or the model changes: `apply` sets the steps (tokens per parameter
+    × parameters ÷ tokens per step) and H (steps ÷ rounds), so a larger batch trains
+    fewer steps on the same tokens with the same number of syncs.
+
+    Attributes:
+        tokens_per_param: training tokens divided by the model's parameters (20 is
+            the compute-optimal budget of the Chinchilla study).
+        rounds: outer rounds (syncs of each fragment); H = steps // rounds. None
+            keeps the config's H.
+        evals: evaluations per run (the last at the end).
+        eval_windows: held-out windows per evaluation, the same for every method
+            (None: every window); `PerBatch(k)` re-reads the records scored the old
+            way, on k of the run's own batches.
+        warmup_fraction: None keeps the config's `inner.warmup_fraction` (a tuned
+            preset's) or sets `DEFAULT_WARMUP_FRACTION`; a number forces that
+            fraction as `inner.warmup_steps` (how the records made before the warmup
+            was tuned set it).
+    """
+
+    tokens_per_param: float = 20.0
+    rounds: int | None = 50
+    evals: int = 4
+    eval_windows: int | None | PerBatch = None
+    warmup_fraction: float | None = None
+
+    def __post_init__(self):
+        fields.positive("Regime.tokens_per_param", self.tokens_per_param)
+        if self.rounds is not None:
+            fields.positive_int("Regime.rounds", self.rounds)
+        fields.positive_int("Regime.evals", self.evals)
+
+    def scaled(self, factor: float | int) -> "Regime":
+        """`factor` times the tokens and the rounds: the same H on a longer run
+        (the paper's overtraining budgets keep H and sync more often)."""
+        rounds = None if self.rounds is None else round(self.rounds * factor)
+        return dataclasses.replace(
+            self, tokens_per_param=self.tokens_per_param * factor, rounds=rounds
+        )
+
+    def steps(self, config: RunConfig) -> int:
+        """Inner steps of `config`'s model and batch at this budget."""
+        mc = model_lib.preset(config.model)
+        tokens_per_step = config.data.global_batch_size * mc.seq_len
+        return math.ceil(self.tokens_per_param * mc.num_params() / tokens_per_step)
+
+    def apply(self, config: RunConfig) -> RunConfig:
+        """`config` with its steps, H, warmup and evaluation set from the budget.
+
+        Raises:
+            ValueError: if the rounds leave H < 2 (naming the rounds, H and steps).
+        """
+        steps = self.steps(config)
+        windows = self.eval_windows
+        if isinstance(windows, PerBatch):
+            windows = windows.windows(config)
+        if self.warmup_fraction is not None:
+            warmup = max(1, round(steps * self.warmup_fraction))
+            inner = {"warmup_steps": warmup, "warmup_fraction": None}
+        else:
+            fraction = config.inner.warmup_fraction
+            inner = {"warmup_fraction": fraction or DEFAULT_WARMUP_FRACTION}
+        changes: dict[str, Any] = {
+            "steps": steps,
+            "eval_every": max(1, steps // self.evals),
+            "eval_windows": windows,
+            "log_every": max(1, min(10, steps // 4)),
+            "inner": inner,
+        }
+        if self.rounds is not None and hasattr(config.method, "sync_every"):
+            h = steps // self.rounds
+            if h < 2:
+                raise ValueError(
+                    f"Regime.rounds={self.rounds} leaves H={h} for {steps} steps of "
+                    f"{config.model!r}; need H >= 2 (fewer rounds or more tokens)."
+                )
+            changes["method"] = {"sync_every": h}
+        return config.replace(**changes)

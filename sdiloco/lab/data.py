@@ -234,6 +234,39 @@ def make_replica_iterators(
     ]
 
 
+def evaluation_windows(
+    tokens: Integer[np.ndarray, " n"], *, seq_len: int, num_windows: int | None = None
+) -> dict[str, Integer[np.ndarray, "W L"]]:
+    """The fixed evaluation set: `num_windows` windows spread evenly over `tokens`.
+
+    The set depends only on the tokens, `seq_len` and `num_windows`, never on a run's
+    batch, so every method and batch size is scored on the same text. With
+    `num_windows=None` it is every window: each evaluation token is predicted exactly
+    once. Window `k` of the set is `TokenWindows(tokens, seq_len)[k · stride]` with
+    `stride = len(windows) // num_windows` (the windows `make_eval_iterator` reads
+    for `batch_size · num_batches = num_windows`).
+
+    Returns:
+        `{"inputs", "targets"}: int32[W, L]`.
+
+    Raises:
+        ValueError: if `num_windows` is not a positive int or exceeds the windows
+            that fit.
+    """
+    windows = TokenWindows(tokens, seq_len)
+    if num_windows is None:
+        num_windows = len(windows)
+    _check_pos_int("num_windows", num_windows)
+    if num_windows > len(windows):
+        raise ValueError(
+            f"num_windows={num_windows}; only {len(windows)} windows of "
+            f"seq_len={seq_len} fit in {len(tokens)} evaluation tokens."
+        )
+    stride = len(windows) // num_windows
+    rows = np.stack([windows[k * stride] for k in range(num_windows)])
+    return {"inputs": rows[:, :-1], "targets": rows[:, 1:]}
+
+
 def make_eval_iterator(
     tokens: Integer[np.ndarray, " n"],
     *,

@@ -405,6 +405,22 @@ def loss_with_aux(
     return loss, {"ce": ce, "z": z}
 
 
+def sequence_losses(
+    model: Transformer, batch: dict[str, Integer[Array | np.ndarray, "B L"]]
+) -> Float[Array, " B"]:
+    """Mean cross-entropy of each sequence of `batch`, in nats per token (no z-loss).
+
+    The evaluation's unit: `mean(sequence_losses(model, batch))` is `loss_with_aux`'s
+    `"ce"` for a batch, and a set of windows is scored as the mean over its windows.
+    """
+    logits_BxLxV = model(jnp.asarray(batch["inputs"]))
+    lse_BxL = jax.nn.logsumexp(logits_BxLxV, axis=-1)
+    target_BxL = jnp.take_along_axis(
+        logits_BxLxV, jnp.asarray(batch["targets"])[..., None], axis=-1
+    )[..., 0]
+    return jnp.mean(lse_BxL - target_BxL, axis=-1)
+
+
 def loss_fn(
     model: Transformer, batch: dict[str, Integer[Array | np.ndarray, "B L"]]
 ) -> Float[Array, ""]:

@@ -113,6 +113,13 @@ def build(config: RunConfig, placement: Placement | None = None) -> Run:
     mc = model_lib.preset(config.model)
     model = model_lib.Transformer(mc, key=jr.PRNGKey(config.seed))
     train, heldout = _tokens(config, mc)
+    available = len(data_lib.TokenWindows(heldout, mc.seq_len))
+    if config.eval_windows is not None and config.eval_windows > available:
+        raise ValueError(
+            f"RunConfig.eval_windows={config.eval_windows}; the evaluation split has "
+            f"{available} windows of seq_len={mc.seq_len} (allowed: 1..{available}, "
+            "or None for all)."
+        )
     inner = config.inner.build(config.steps)
     extra = {}
     if placement is not None and config.method.kind != "data_parallel":
@@ -395,20 +402,33 @@ def _tokens(
     return tokens, evaluation
 
 
+EVAL_CHUNK = 256
+"""Windows scored per call of the evaluation (a memory bound; not a sampling choice)."""
+
+
 def _evaluator(r: Run, c: RunConfig, place: Placement):
-    """`evaluate(state) -> {name: loss}`, on this process's default device."""
-    batches = list(
-        data_lib.make_eval_iterator(
-            r.heldout_tokens,
-            batch_size=c.data.global_batch_size,
-            seq_len=r.model_config.seq_len,
-            num_batches=c.eval_batches,
-        )
+    """`evaluate(state) -> {name: value}`, on this process's default device.
+
+    Every evaluation scores the same windows (`data.evaluation_windows` with
+    `c.eval_windows`), whatever the method and batch: the loss is the mean over
+    windows of each window's mean cross-entropy, and `eval_se/<which>` its standard
+    error (the windows' standard deviation ÷ √windows, treating windows as
+    independent draws of held-out text).
+    """
+    windows = data_lib.evaluation_windows(
+        r.heldout_tokens, seq_len=r.model_config.seq_len, num_windows=c.eval_windows
     )
+    count = len(windows["inputs"])
+    pad = -count % EVAL_CHUNK  # repeat window 0 so every chunk has one shape
+    padded = {k: np.concatenate([v, v[:1].repeat(pad, 0)]) for k, v in windows.items()}
+    chunks = [
+        {k: v[i : i + EVAL_CHUNK] for k, v in padded.items()}
+        for i in range(0, count + pad, EVAL_CHUNK)
+    ]
 
     @eqx.filter_jit
-    def ce(params, batch):
-        return model_lib.loss_with_aux(params, batch)[1]["ce"]
+    def losses(params, batch):
+        return model_lib.sequence_losses(params, batch)
 
     def params_of(which):
         def get(state):
@@ -427,8 +447,11 @@ def _evaluator(r: Run, c: RunConfig, place: Placement):
         out = {}
         for which in c.eval_params:
             params = eqx.combine(place.local(readers[which](state)), static)
-            loss = float(np.mean([float(ce(params, b)) for b in batches]))
+            per_window = np.concatenate([np.asarray(losses(params, b)) for b in chunks])
+            per_window = per_window[:count].astype(np.float64)
+            loss = float(per_window.mean())
             out[f"eval/{which}"] = loss
+            out[f"eval_se/{which}"] = float(per_window.std(ddof=1) / math.sqrt(count))
             out[f"bpb/{which}"] = loss / math.log(2)
         return out
 

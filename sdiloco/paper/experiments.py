@@ -33,78 +33,28 @@ import numpy as np
 from ..analysis import outer_gradient_cosine
 from ..fragments import fragments_by_layer
 from ..lab import train
-from ..lab.config import RunConfig, preset
+from ..lab.config import PerBatch as PerBatch, Regime as Regime, RunConfig, preset
 from ..lab.methods import StreamingConfig
 from ..lab.model import preset as preset_model
 from .plotting import FAST, REPO_ROOT
 
 
-@dataclasses.dataclass(frozen=True)
-class Regime:
-    """The budget of a run: tokens per parameter and, for the DiLoCo family, rounds.
-
-    A budget in these units keeps its meaning when the batch or the model changes:
-    `apply` turns it into steps (tokens per parameter × parameters ÷ tokens per step)
-    and H (steps ÷ rounds), so a larger batch trains fewer steps on the same tokens
-    with the same number of syncs.
-
-    Attributes:
-        tokens_per_param: training tokens divided by the model's parameters (20 is
-            the compute-optimal budget of the Chinchilla study).
-        rounds: outer rounds (syncs of each fragment); H = steps // rounds. None
-            keeps the config's H.
-        evals: evaluations per run (the last at the end).
-        eval_batches: evaluation batches per evaluation.
-        warmup_fraction: the inner warmup as a fraction of the steps.
-    """
-
-    tokens_per_param: float = 20.0
-    rounds: int | None = 50
-    evals: int = 4
-    eval_batches: int = 16
-    warmup_fraction: float = 1 / 6
-
-    def scaled(self, factor: float | int) -> "Regime":
-        """`factor` times the tokens and the rounds: the same H on a longer run
-        (the paper's overtraining budgets keep H and sync more often)."""
-        rounds = None if self.rounds is None else round(self.rounds * factor)
-        return dataclasses.replace(
-            self, tokens_per_param=self.tokens_per_param * factor, rounds=rounds
-        )
-
-    def apply(self, config: RunConfig) -> RunConfig:
-        """`config` with its steps, H, warmup and evaluation set from the budget.
-
-        Raises:
-            ValueError: if the rounds leave H < 2.
-        """
-        mc = preset_model(config.model)
-        tokens_per_step = config.data.global_batch_size * mc.seq_len
-        steps = math.ceil(self.tokens_per_param * mc.num_params() / tokens_per_step)
-        changes: dict[str, Any] = {
-            "steps": steps,
-            "eval_every": max(1, steps // self.evals),
-            "eval_batches": self.eval_batches,
-            "log_every": max(1, min(10, steps // 4)),
-            "inner": {"warmup_steps": max(1, round(steps * self.warmup_fraction))},
-        }
-        if self.rounds is not None and hasattr(config.method, "sync_every"):
-            h = steps // self.rounds
-            if h < 2:
-                raise ValueError(
-                    f"Regime.rounds={self.rounds} leaves H={h} for {steps} steps of "
-                    f"{config.model!r}; need H >= 2 (fewer rounds or more tokens)."
-                )
-            changes["method"] = {"sync_every": h}
-        return config.replace(**changes)
-
-
 MODEL: str = "tiny-xs"
 """The standard learning model (82,528 parameters), tuned by the protocol of
 `sdiloco.paper.tuning` (`config.TUNED`)."""
-REGIME: Regime = Regime(0.15, 2, evals=2, eval_batches=2) if FAST else Regime(20.0, 50)
+REGIME: Regime = Regime(0.15, 2, evals=2, eval_windows=32) if FAST else Regime(20.0, 50)
 """The standard budget: the compute-optimal 20 tokens per parameter and 50 outer
-rounds, the budget the presets were tuned at (FAST: about 13 steps of tiny-xs, 2 rounds)."""
+rounds, the budget the presets were tuned at, every method scored on every held-out
+window, each preset's tuned warmup (FAST: about 13 steps of tiny-xs, 2 rounds)."""
+REGIME_PER_BATCH: Regime = (
+    REGIME
+    if FAST
+    else Regime(20.0, 50, eval_windows=PerBatch(16), warmup_fraction=1 / 6)
+)
+"""The standard budget as the records made before the fixed evaluation set used it:
+each run scored on 16 of its own batches of held-out windows, warmup a sixth of the
+steps. The notebooks not yet re-run use it so that their records stay readable, and
+their tables say so."""
 SEEDS: tuple[int, ...] = (0,) if FAST else (0, 1, 2)
 """The seeds of every headline comparison (read as seed-paired differences)."""
 
@@ -188,23 +138,25 @@ def small_setup(name: str, **changes: Any) -> RunConfig:
     The notebooks not yet re-run at the tuned regime (`setup`) use it, so that their
     recorded runs stay valid. Sets the model (`SMALL_MODEL`), `STEPS`, H =
     `paper_h(100)` for the DiLoCo family, a warmup of a sixth of the steps, 8
-    evaluations per run (of 8 held-out batches, 2 in FAST mode), and keeps the
-    presets' own hyper-parameters (`preset(..., tuned=False)`: inner lr 3e-3, outer
-    lr 0.4 and momentum 0.9, batch 16). `changes` override any of these.
+    evaluations per run (each of 8 of the run's own batches of held-out windows, 2 in
+    FAST mode: the old evaluation, `PerBatch`), and keeps the presets' own
+    hyper-parameters (`preset(..., tuned=False)`: inner lr 3e-3, outer lr 0.4 and
+    momentum 0.9, batch 16). `changes` override any of these.
     """
     steps = changes.get("steps", STEPS)
     base: dict[str, Any] = {
         "model": SMALL_MODEL,
         "steps": steps,
         "eval_every": max(1, steps // 8),
-        "eval_batches": 2 if FAST else 8,
         "log_every": max(1, min(10, steps // 4)),
         "inner": {"warmup_steps": max(1, steps // 6)},
     }
     if name != "data_parallel":
         base["sync_every"] = changes.pop("sync_every", paper_h(100))
-    config = preset(name, tuned=False, **base)
-    return config.replace(**changes)
+    config = preset(name, tuned=False, **base).replace(**changes)
+    if "eval_windows" in changes:
+        return config
+    return config.replace(eval_windows=PerBatch(2 if FAST else 8).windows(config))
 
 
 @dataclasses.dataclass

@@ -220,6 +220,29 @@ def standard_axes(method_kind: str) -> tuple[Axis, ...]:
     return (inner, outer, momentum, batch)
 
 
+def below_only(value: float, direction: int) -> float:
+    """`extend` halving below the smallest value and never extending above (for a
+    fraction, which must stay below 1)."""
+    return value / 2 if direction < 0 else value
+
+
+WARMUP: Axis = Axis(
+    "inner.warmup_fraction", (1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2), below_only
+)
+"""The schedule's axis: the warmup as a fraction of the steps, 2x apart, extended
+below its smallest value (twice at most)."""
+
+
+def tune_warmup(
+    preset: str, model: str, *, regime: Regime, seeds: Sequence[int] = (0,)
+) -> Search:
+    """The warmup swept for one method and size, the other settings at their tuned
+    values (`config.TUNED`): the protocol's last axis, on the validation split, the
+    same grid (`WARMUP`) and budget for every method."""
+    base = make_preset(preset, model=model, data={"validation": True})
+    return coordinate_search(regime.apply(base), [WARMUP], regime=regime, seeds=seeds)
+
+
 def tune(
     preset: str,
     model: str,
@@ -237,8 +260,11 @@ def tune(
 
 def save_tuned(
     searches: dict[tuple[str, str], Search], path: str | None = None
-) -> dict[str, dict[str, dict[str, Any]]]:
+) -> dict[str, Any]:
     """Write the chosen values into the presets' table (`config.TUNED`).
+
+    Each search writes the chosen value of the axes it swept; the size's other
+    entries stay.
 
     Args:
         searches: (model size, method name in `PRESETS`) → its `Search`.
@@ -258,12 +284,15 @@ def save_tuned(
     )
     table = json.loads(target.read_text()) if target.exists() else {}
     for (size, name), search in searches.items():
-        axes = standard_axes(search.best.method.kind)
-        table.setdefault(PRESETS[name], {})[size] = search.best_values(axes)
+        swept = {t.axis for t in search.trials}
+        axes = (*standard_axes(search.best.method.kind), WARMUP)
+        chosen = search.best_values([a for a in axes if a.field in swept])
+        table.setdefault(PRESETS[name], {}).setdefault(size, {}).update(chosen)
     table["_source"] = (
         "sdiloco.paper.tuning via notebooks/hyperparameter_sweep: coordinate search "
         "on the validation split at 20 tokens per parameter and 50 outer rounds, one "
-        "seed per trial; records in paper_figures/runs/."
+        "seed per trial (the warmup fraction swept last, from the others' choices, "
+        "scored on every validation window); records in paper_figures/runs/."
     )
     target.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
     return table
@@ -385,6 +414,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name, preset in PRESETS.items():
         if args.method and preset not in args.method:
             continue
+        if args.warmup:
+            search = tune_warmup(preset, args.model, regime=regime)
+            print(name, args.model, search.best_values([WARMUP]), flush=True)
+            continue
         search = tune(preset, args.model, regime=regime)
         axes = standard_axes(search.best.method.kind)
         print(name, args.model, search.best_values(axes), flush=True)
@@ -403,6 +436,11 @@ def _parser():
     p.add_argument("--method", action="append", choices=sorted(PRESETS.values()))
     p.add_argument("--tokens-per-param", type=float, default=20.0)
     p.add_argument("--rounds", type=int, default=50)
+    p.add_argument(
+        "--warmup",
+        action="store_true",
+        help="sweep only the warmup fraction, from each method's tuned settings",
+    )
     p.add_argument(
         "--headline-tokens-per-param",
         type=float,
