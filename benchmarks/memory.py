@@ -71,6 +71,8 @@ def analytic(
         "inflight": (num_params if inflight_values is None else inflight_values) * 4,
         "sent_at": 4 * num_fragments,
         "inflight_ok": num_fragments,
+        "senders": 4 * num_fragments,
+        "alive": replicas,
         "residual": 0,
         "key": 8,
         # The posted exchange's packed messages (none with the in-step exchange):

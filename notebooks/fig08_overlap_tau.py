@@ -52,7 +52,9 @@ configs = {
     for tau in TAUS
 }
 results = ex.run_all(configs, SEEDS)
-baseline = ex.run_all({"Data-Parallel": ex.setup("data_parallel", regime=ex.REGIME_PER_BATCH)}, SEEDS)
+baseline = ex.run_all(
+    {"Data-Parallel": ex.setup("data_parallel", regime=ex.REGIME_PER_BATCH)}, SEEDS
+)
 stats = ex.summarize(results)
 dp = ex.summarize(baseline)["Data-Parallel"]
 first = configs[next(iter(configs))]

@@ -70,7 +70,9 @@ configs = {
 H = {r: configs[f"DiLoCo|R={r}"].method.sync_every for r in ROUNDS}
 results = ex.run_all(configs, SEEDS)
 stats = ex.summarize(results)
-dp_results = ex.run_all({"Data-Parallel": ex.setup("data_parallel", regime=ex.REGIME_PER_BATCH)}, SEEDS)
+dp_results = ex.run_all(
+    {"Data-Parallel": ex.setup("data_parallel", regime=ex.REGIME_PER_BATCH)}, SEEDS
+)
 dp = ex.summarize(dp_results)["Data-Parallel"]
 
 

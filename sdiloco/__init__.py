@@ -4,7 +4,8 @@ The public API, re-exported explicitly. Each name lives in a one-concept module:
 fragments (`fragments.py`), the sync schedule (`schedule.py`), outer-gradient
 compressors (`compression/`), the algorithm (`streaming.py`, on the interfaces of
 `base.py`) and its Data-Parallel
-baseline (`data_parallel.py`).
+baseline (`data_parallel.py`); who takes part in a step, for elastic training
+(`participation.py`).
 """
 
 from .analysis import outer_gradient_cosine as outer_gradient_cosine
@@ -41,6 +42,10 @@ from .fragments import (
     fragments_from_labels as fragments_from_labels,
     fragments_from_masks as fragments_from_masks,
     single_fragment as single_fragment,
+)
+from .participation import (
+    Participation as Participation,
+    everyone as everyone,
 )
 from .schedule import (
     Schedule as Schedule,

@@ -28,7 +28,7 @@ import numpy as np
 from jaxtyping import Array, Int, PRNGKeyArray
 
 from .compression import Compressor
-from .custom_types import Batch, Metrics, Params
+from .custom_types import Metrics, Params
 from .fragments import Fragments
 
 
@@ -131,8 +131,10 @@ class Algorithm(Generic[SpecT]):
 
     Attributes:
         init: `init(params, key=None) -> state`.
-        step: `step(state, batch) -> (state, metrics)`, pure and jittable; every leaf of
-            `batch` has a leading axis of size `num_replicas`.
+        step: `step(state, batch, participation=None) -> (state, metrics)`, pure
+            and jittable; every leaf of `batch` has a leading axis of size
+            `num_replicas`; `participation` says which replicas take part
+            (`sdiloco.participation`; None: all).
         bits_per_fragment: `bits_per_fragment(params) -> [P]` exact bits (Python ints)
             one replica puts on the wire to send each fragment (docs/contract.md §3);
             for Data-Parallel, one entry: the bits of one gradient exchange.
@@ -144,7 +146,7 @@ class Algorithm(Generic[SpecT]):
     """
 
     init: Callable[..., Any]
-    step: Callable[[Any, Batch], tuple[Any, Metrics]]
+    step: Callable[..., tuple[Any, Metrics]]
     bits_per_fragment: Callable[[Params], np.ndarray]
     num_replicas: int
     spec: SpecT
@@ -167,7 +169,10 @@ def jit_step(
 
 
 class JittedStep:
-    """`fn(state, batch)` compiled by `jax.jit`, the state's arrays donated.
+    """`fn(state, batch, ...)` compiled by `jax.jit`, the state's arrays donated.
+
+    The inputs after the state (the batch, and a `Participation` where given) are
+    traced and not donated.
 
     As with `eqx.filter_jit`, array leaves are traced and every other leaf (an
     Equinox module's activation function, say) is static: hashed with the tree
@@ -198,24 +203,24 @@ class JittedStep:
         self._outputs: dict[tuple[_Static, _Static], _Static] = {}
         self._copy = copy_first
 
-    def __call__(self, state: Any, batch: Any) -> Any:
+    def __call__(self, state: Any, *inputs: Any) -> Any:
         if self._copy:  # a copy in the same place (device or host memory)
             state = jax.tree.map(_copy, state)
             self._copy = False
-        (s_dyn, s_static), (b_dyn, b_static) = _split(state), _split(batch)
+        (s_dyn, s_static), (b_dyn, b_static) = _split(state), _split(inputs)
         dynamic = self._jitted(s_dyn, b_dyn, s_static, b_static)
         return self._outputs[s_static, b_static].combine(dynamic)
 
-    def lower(self, state: Any, batch: Any) -> "LoweredStep":
+    def lower(self, state: Any, *inputs: Any) -> "LoweredStep":
         """The program of a call on these arguments, lowered: `.as_text()`, and
         `.compile()` to a `CompiledStep` (`compiled(state, batch)`, `.as_text()`,
         `.memory_analysis()`, `.cost_analysis()`)."""
-        (s_dyn, s_static), (b_dyn, b_static) = _split(state), _split(batch)
+        (s_dyn, s_static), (b_dyn, b_static) = _split(state), _split(inputs)
         lowered = self._jitted.lower(s_dyn, b_dyn, s_static, b_static)
         return LoweredStep(lowered, self._outputs[s_static, b_static])
 
     def _run(self, s_dyn, b_dyn, s_static: "_Static", b_static: "_Static"):
-        out = self._fn(s_static.combine(s_dyn), b_static.combine(b_dyn))
+        out = self._fn(s_static.combine(s_dyn), *b_static.combine(b_dyn))
         dynamic, self._outputs[s_static, b_static] = _split(out)
         return dynamic
 
@@ -240,8 +245,8 @@ class CompiledStep(NamedTuple):
     compiled: jax.stages.Compiled
     outputs: "_Static"
 
-    def __call__(self, state: Any, batch: Any) -> Any:
-        dynamic = self.compiled(_split(state)[0], _split(batch)[0])
+    def __call__(self, state: Any, *inputs: Any) -> Any:
+        dynamic = self.compiled(_split(state)[0], _split(inputs)[0])
         return self.outputs.combine(dynamic)
 
     def as_text(self) -> str:

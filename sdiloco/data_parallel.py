@@ -17,11 +17,13 @@ import numpy as np
 import optax
 from jaxtyping import Array, Int
 
+from . import participation as participation_lib
 from .base import Algorithm
 from .communication import wide_dtype
 from .custom_types import Batch, Metrics, Params
 from .fragments import parameter_leaves
 from .inner import check_batch, value_and_grad
+from .participation import Participation
 
 
 class DataParallelState(NamedTuple):
@@ -77,30 +79,67 @@ def data_parallel(
         )
 
     def step(
-        state: DataParallelState, batch: Batch
+        state: DataParallelState,
+        batch: Batch,
+        participation: Participation | None = None,
     ) -> tuple[DataParallelState, Metrics]:
-        """One Data-Parallel step: per-replica gradients, all-reduce mean, one update."""
+        """One Data-Parallel step: per-replica gradients, all-reduce mean, one update.
+
+        With a `participation`, the mean is over the replicas that compute (elastic
+        Data-Parallel); a step where none computes changes nothing but the step
+        counter. A returning replica needs no healing: the one copy is shared.
+        """
         check_batch(batch, num_replicas)
         params = state.global_params
         (losses, aux), grads = eqx.filter_vmap(
             grad_fn, in_axes=(None, eqx.if_array(0))
         )(params, batch)
-        grads = jax.tree.map(
-            lambda g: jnp.mean(g.astype(wide_dtype(g.dtype)), axis=0).astype(g.dtype),
-            grads,
-        )
-        updates, inner_state = inner.update(
-            grads, state.inner_state, eqx.filter(params, eqx.is_inexact_array)
-        )
+        if participation is None:
+            grads = jax.tree.map(
+                lambda g: jnp.mean(g.astype(wide_dtype(g.dtype)), axis=0).astype(
+                    g.dtype
+                ),
+                grads,
+            )
+            new_params, inner_state = _update(inner, params, state.inner_state, grads)
+        else:
+            participation_lib.check(participation, num_replicas)
+            computes = participation.computes
+            count = jnp.sum(computes)
+            losses = jnp.where(computes, losses, 0.0)
+            grads = jax.tree.map(lambda g: _masked_mean(g, computes, count), grads)
+            new = _update(inner, params, state.inner_state, grads)
+            params_arrays = eqx.filter(params, eqx.is_array)
+            new_params, inner_state = jax.tree.map(
+                lambda n, o: jnp.where(count > 0, n, o),
+                (eqx.filter(new[0], eqx.is_array), new[1]),
+                (params_arrays, state.inner_state),
+            )
+            new_params = eqx.combine(new_params, params)
         metrics = _metrics(losses, aux, grads, float(bits_per_fragment(params)[0]))
+        if participation is not None:
+            metrics["loss/train"] = jnp.sum(losses) / jnp.maximum(count, 1)
         new_state = DataParallelState(
-            step=state.step + 1,
-            global_params=eqx.apply_updates(params, updates),
-            inner_state=inner_state,
+            step=state.step + 1, global_params=new_params, inner_state=inner_state
         )
         return new_state, metrics
 
     return Algorithm(init, step, bits_per_fragment, num_replicas, None)
+
+
+def _update(inner: optax.GradientTransformation, params, inner_state, grads):
+    updates, inner_state = inner.update(
+        grads, inner_state, eqx.filter(params, eqx.is_inexact_array)
+    )
+    return eqx.apply_updates(params, updates), inner_state
+
+
+def _masked_mean(g: Array, computes: Array, count: Array) -> Array:
+    """Mean over the replicas that compute, in the wide dtype (0 when none does)."""
+    wide = g.astype(wide_dtype(g.dtype))
+    mask = computes.reshape((-1,) + (1,) * (g.ndim - 1))
+    total = jnp.sum(jnp.where(mask, wide, 0), axis=0)
+    return (total / jnp.maximum(count, 1).astype(wide.dtype)).astype(g.dtype)
 
 
 def _metrics(losses: Array, aux: dict, grads: Any, bits: float) -> Metrics:

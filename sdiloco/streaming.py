@@ -48,7 +48,7 @@ import numpy as np
 import optax
 from jaxtyping import Array, Bool, Int, PRNGKeyArray
 
-from . import communication
+from . import communication, participation as participation_lib
 from ._xla import run_if
 from .base import Algorithm, Exchange, PostedExchange
 from .compression import Compressor, quantizer
@@ -57,10 +57,12 @@ from .fragments import Fragments, check_matches, single_fragment
 from .inflight import Group, Layout, Visit, make_layout
 from .inner import check_batch, inner_steps, replicate
 from .outer import GlobalMemory, fragment_outer_step, merge, outer_init
+from .participation import Participation, where_replicas
 from .schedule import NEVER, Schedule, make_schedule
 
 
 NONFINITE_POLICIES = ("skip", "apply", "raise")
+HEAL_POLICIES = ("copy", "reset")
 
 
 class StreamingState(NamedTuple):
@@ -74,6 +76,8 @@ class StreamingState(NamedTuple):
     inflight: Array  # [K, S] Δ̄ of fragments in flight, one slot each, float32+
     sent_at: Int[Array, " P"]  # [P] int32, step each fragment was last sent (-1: never)
     inflight_ok: Bool[Array, " P"]  # [P] bool, whether that Δ̄ was finite
+    senders: Int[Array, " P"]  # [P] int32, replicas whose Δ is in that Δ̄ (M: all)
+    alive: Bool[Array, " M"]  # [M] bool, who was alive at the last step (elastic)
     residual: Replicated | None  # error feedback, [M, ...] wide dtype; None when off
     key: Array  # [2] uint32, root key of stochastic compressors
     # Posted exchange only (None otherwise), K in-flight slots of B bytes:
@@ -103,6 +107,7 @@ class StreamingSpec(NamedTuple):
     has_aux: bool
     exchange: Exchange | PostedExchange
     memory: GlobalMemory = GlobalMemory()
+    heal: str = "copy"
 
     @property
     def num_replicas(self) -> int:
@@ -142,6 +147,7 @@ class LocalResult(NamedTuple):
     losses: Array  # [M] each replica's loss
     aux: dict[str, Array]  # each leaf [M, ...], the loss function's aux
     sent: Bool[Array, " P"]  # which fragments were sent at t
+    participation: Participation | None = None  # who took part at t (None: all)
 
 
 def streaming_diloco(
@@ -161,6 +167,7 @@ def streaming_diloco(
     has_aux: bool = False,
     exchange: Exchange | PostedExchange = communication.simulated_exchange,
     offload: bool = False,
+    heal: str = "copy",
 ) -> Algorithm[StreamingSpec]:
     """Streaming DiLoCo (Alg. 2) with overlapped, compressed fragment syncs.
 
@@ -206,9 +213,16 @@ def streaming_diloco(
             sharded state keeps θ_g and the outer state in host memory). Needs a
             backend with host memory kinds (GPU, TPU; on CPU host and device memory
             are the same RAM).
+        heal: how a replica that comes back (`Participation.alive`) gets its inner
+            optimizer state: "copy" (the default) takes a live peer's, so its
+            learning-rate schedule (optax schedules count the state's steps) and
+            moments match a replica training the same θ_g; "reset" starts it afresh
+            (the schedule restarts at step 0 for that replica). Either way its
+            parameters become θ_g.
 
     Returns:
-        The `Algorithm`.
+        The `Algorithm`; its `step(state, batch, participation=None)` takes who
+        takes part (`sdiloco.participation`).
 
     Raises:
         ValueError: on a bad configuration (docs/contract.md §5), naming the field, the
@@ -216,6 +230,8 @@ def streaming_diloco(
     """
     outer = optax.sgd(0.4, momentum=0.9, nesterov=True) if outer is None else outer
     compressor = _check_options(alpha, nonfinite, compressor, error_feedback, fragments)
+    if heal not in HEAL_POLICIES:
+        raise ValueError(f"heal={heal!r}; allowed: {HEAL_POLICIES}.")
     num_fragments = 1 if fragments is None else fragments.num_fragments
     schedule = make_schedule(
         sync_every, num_fragments, num_replicas, overlap, first_send
@@ -239,13 +255,18 @@ def streaming_diloco(
         has_aux=has_aux,
         exchange=exchange,
         memory=GlobalMemory(offload),
+        heal=heal,
     )
 
     def init(params: Params, key: PRNGKeyArray | None = None) -> StreamingState:
         return streaming_init(spec, params, key)
 
-    def step(state: StreamingState, batch: Batch) -> tuple[StreamingState, Metrics]:
-        return streaming_step(spec, state, batch)
+    def step(
+        state: StreamingState,
+        batch: Batch,
+        participation: Participation | None = None,
+    ) -> tuple[StreamingState, Metrics]:
+        return streaming_step(spec, state, batch, participation)
 
     def bits_per_fragment(params: Params) -> np.ndarray:
         arrays = eqx.filter(params, eqx.is_inexact_array)
@@ -343,6 +364,8 @@ def streaming_init(
         inflight=jnp.zeros((layout.num_slots, layout.slot_size), wide),
         sent_at=jnp.full((frags.num_fragments,), NEVER, jnp.int32),
         inflight_ok=jnp.ones((frags.num_fragments,), bool),
+        senders=jnp.full((frags.num_fragments,), spec.num_replicas, jnp.int32),
+        alive=jnp.ones((spec.num_replicas,), bool),
         residual=residual,
         key=jnp.zeros((2,), jnp.uint32) if key is None else _key_data(key),
         outbox=outbox,
@@ -351,23 +374,39 @@ def streaming_init(
 
 
 def streaming_step(
-    spec: StreamingSpec, state: StreamingState, batch: Batch
+    spec: StreamingSpec,
+    state: StreamingState,
+    batch: Batch,
+    participation: Participation | None = None,
 ) -> tuple[StreamingState, Metrics]:
-    """One step of Streaming DiLoCo (Alg. 2, l.3-12): inner, send, outer, merge."""
-    state, local = local_phase(spec, state, batch)
+    """One step of Streaming DiLoCo (Alg. 2, l.3-12): inner, send, outer, merge.
+
+    With a `participation`, replicas that come back heal first, and only those that
+    take part compute, send and merge (`sdiloco.participation`); None is everyone.
+    """
+    state, local = local_phase(spec, state, batch, participation)
     return sync_phase(spec, state, local)
 
 
 def local_phase(
-    spec: StreamingSpec, state: StreamingState, batch: Batch
+    spec: StreamingSpec,
+    state: StreamingState,
+    batch: Batch,
+    participation: Participation | None = None,
 ) -> tuple[StreamingState, LocalResult]:
-    """The half of a step that needs nothing from other replicas: `inner_update`,
-    then `send` (skipped when nothing is due, `_xla.run_if`)."""
+    """The half of a step that needs nothing from other replicas: `heal` (with a
+    participation), `inner_update`, then `send` (skipped when nothing is due,
+    `_xla.run_if`)."""
     check_batch(batch, spec.num_replicas)
-    state, losses, aux = inner_update(spec, state, batch)
+    computes = sends = None
+    if participation is not None:
+        participation_lib.check(participation, spec.num_replicas)
+        state = heal(spec, state, participation.alive)
+        computes, sends = participation.computes, participation.sends
+    state, losses, aux = inner_update(spec, state, batch, computes)
     sent = jnp.asarray(spec.schedule.sent(state.step))
-    state = run_if(jnp.any(sent), lambda s: send(spec, s), state)
-    return state, LocalResult(losses, aux, sent)
+    state = run_if(jnp.any(sent), lambda s: send(spec, s, sends), state)
+    return state, LocalResult(losses, aux, sent, participation)
 
 
 def sync_phase(
@@ -377,14 +416,18 @@ def sync_phase(
     `outer_update` and `merge_arrivals` (skipped when nothing arrives), and the
     step's metrics. A courier delivers the messages due at t between the halves."""
 
+    alive = None if local.participation is None else local.participation.alive
+
     def sync(state: StreamingState) -> StreamingState:
         state = outer_update(spec, receive(spec, state))[0]
-        return merge_arrivals(spec, state)[0]
+        return merge_arrivals(spec, state, alive)[0]
 
     # A fragment received or stepped at t is merged at t by the replicas whose τ is
     # τ_min, so nothing else happens at a step where nobody merges.
     # (`arriving` has no replica axis, which a mesh would split.)
     merged = spec.schedule.merge_due(state.step, state.sent_at)
+    if alive is not None:
+        merged = merged & alive[:, None]
     arriving = spec.schedule.arriving(state.step, state.sent_at)
     state = run_if(jnp.any(arriving), sync, state)
     applied, failed = _outcome(spec, state)
@@ -395,9 +438,14 @@ def sync_phase(
         )
     frags = spec.fragments_of(eqx.filter(state.global_params, eqx.is_inexact_array))
     bits = communication.bits_per_fragment(spec.compressor, frags).astype(np.float32)
+    computed = None if local.participation is None else local.participation.computes
+    losses, aux = local.losses, local.aux
+    if computed is not None:  # what a replica that took no step reports: 0
+        losses, aux = where_replicas(computed, (losses, aux), (0 * losses, aux))
+        aux = jax.tree.map(lambda v: where_replicas(computed, v, 0 * v), aux)
     metrics = {
-        "loss/train": jnp.mean(local.losses),
-        "loss/replicas": local.losses,
+        "loss/train": _replica_mean(losses, computed),
+        "loss/replicas": losses,
         "sync/sent": local.sent,
         "sync/applied": applied,
         "sync/merged": merged,
@@ -405,15 +453,62 @@ def sync_phase(
         "nonfinite": jnp.any(failed),
         "comm/bits": jnp.sum(jnp.where(local.sent, bits, 0.0)),
     }
-    metrics.update({f"aux/{k}": jnp.mean(v, axis=0) for k, v in local.aux.items()})
-    metrics.update({f"replicas/aux/{k}": v for k, v in local.aux.items()})
+    metrics.update({f"aux/{k}": _replica_mean(v, computed) for k, v in aux.items()})
+    metrics.update({f"replicas/aux/{k}": v for k, v in aux.items()})
     return state, metrics
 
 
+def heal(
+    spec: StreamingSpec, state: StreamingState, alive: Bool[Array, " M"]
+) -> StreamingState:
+    """Replicas alive now but not at the last step come back before their inner step.
+
+    Such a replica adopts θ_g for every fragment, forgets its error-feedback residual
+    and gets an inner optimizer state by `spec.heal`: "copy" takes that of the first
+    replica alive at both steps (reset when there is none), "reset" initialises it
+    from θ_g. Fragments in flight are merged on arrival like every replica's.
+    `state.alive` becomes `alive`.
+    """
+    back = alive & ~state.alive
+
+    def restore(state: StreamingState) -> StreamingState:
+        g = eqx.filter(state.global_params, eqx.is_inexact_array)
+        g = jax.tree.map(spec.memory.fetch, g)
+        fresh = replicate(spec.inner.init(g), spec.num_replicas)
+        if spec.heal == "copy":
+            live = alive & state.alive
+            donor = jnp.argmax(live)  # the first live replica (0 when none)
+            peer = jax.tree.map(
+                lambda x: jnp.broadcast_to(x[donor], x.shape), state.inner_state
+            )
+            fresh = jax.tree.map(
+                lambda c, r: jnp.where(jnp.any(live), c, r), peer, fresh
+            )
+        replicas = eqx.combine(replicate(g, spec.num_replicas), state.replica_params)
+        residual = state.residual
+        if residual is not None:
+            residual = where_replicas(
+                back, jax.tree.map(jnp.zeros_like, residual), residual
+            )
+        return state._replace(
+            replica_params=where_replicas(back, replicas, state.replica_params),
+            inner_state=where_replicas(back, fresh, state.inner_state),
+            residual=residual,
+        )
+
+    state = run_if(jnp.any(back), restore, state)
+    return state._replace(alive=alive)
+
+
 def inner_update(
-    spec: StreamingSpec, state: StreamingState, batch: Batch
+    spec: StreamingSpec,
+    state: StreamingState,
+    batch: Batch,
+    computes: Bool[Array, " M"] | None = None,
 ) -> tuple[StreamingState, Array, dict]:
     """One inner step on every replica (Alg. 2, l.3-5); the step counter becomes t + 1.
+
+    With `computes`, a replica not computing keeps its parameters and inner state.
 
     Returns:
         The new state, each replica's loss `[M]` and its aux dict (leaves `[M, ...]`).
@@ -426,13 +521,23 @@ def inner_update(
         state.inner_state,
         batch,
     )
+    if computes is not None:
+        replicas, inner_state = where_replicas(
+            computes,
+            (replicas, inner_state),
+            (state.replica_params, state.inner_state),
+        )
     state = state._replace(
         step=state.step + 1, replica_params=replicas, inner_state=inner_state
     )
     return state, losses, aux
 
 
-def send(spec: StreamingSpec, state: StreamingState) -> StreamingState:
+def send(
+    spec: StreamingSpec,
+    state: StreamingState,
+    sends: Bool[Array, " M"] | None = None,
+) -> StreamingState:
     """Send the fragments due at t = `state.step` (Alg. 2, l.6-8).
 
     For each sent fragment p, on its elements only: `Δ_m = θ_g − θ_m` per replica
@@ -440,9 +545,14 @@ def send(spec: StreamingSpec, state: StreamingState) -> StreamingState:
     over replicas in float32 or wider) into p's in-flight slot, with `sent_at[p] = t`
     and whether Δ̄ is finite. With a posted exchange each replica's packed message
     goes into p's outbox slot instead (`receive` decodes and averages it).
+
+    With `sends`, a replica not sending contributes a zero Δ (every compressor sends
+    zero as zero) and keeps its residual; the mean is rescaled from M to the
+    `senders` replicas that sent (1.0 when all did).
     """
     layout = spec.layout(state.global_params)
     t = state.step
+    count = jnp.asarray(spec.num_replicas if sends is None else jnp.sum(sends))
 
     def one(v: Visit, inputs, carry):
         g_leaves, r_leaves, key = inputs
@@ -450,16 +560,22 @@ def send(spec: StreamingSpec, state: StreamingState) -> StreamingState:
         deltas = _outer_gradients(spec, v, g_leaves, r_leaves)
         if residual is not None:  # error feedback: what the last sends left out
             deltas = [d + e for d, e in zip(deltas, v.gather(residual, 1))]
+        if sends is not None:  # nothing of a replica that does not send
+            deltas = [where_replicas(sends, d, jnp.zeros_like(d)) for d in deltas]
         frags, key = v.group.piece_fragments(), jr.fold_in(key, v.p)
         if isinstance(spec.exchange, PostedExchange):
             messages, own = spec.exchange.encode(spec.compressor, frags, deltas, key)
             outbox = _write_message(layout, outbox, v.p, messages)
         else:
             mean, own = spec.exchange(spec.compressor, frags, deltas, key)
+            mean = _over_senders(spec, mean, count)
             slots = layout.write(slots, v.group, v.p, mean)
             ok = ok.at[v.p].set(_finite(mean))
         if residual is not None:
             errors = [d - q for d, q in zip(deltas, own)]
+            if sends is not None:
+                kept = v.gather(residual, 1)
+                errors = [where_replicas(sends, e, k) for e, k in zip(errors, kept)]
             residual = v.scatter(residual, errors, axis=1)
         return slots, ok, residual, outbox
 
@@ -475,6 +591,7 @@ def send(spec: StreamingSpec, state: StreamingState) -> StreamingState:
         inflight=slots,
         inflight_ok=ok,
         sent_at=jnp.where(sent, t, state.sent_at),
+        senders=jnp.where(sent, count.astype(jnp.int32), state.senders),
         residual=residual,
         outbox=outbox,
     )
@@ -502,6 +619,7 @@ def receive(spec: StreamingSpec, state: StreamingState) -> StreamingState:
         messages = jax.lax.dynamic_index_in_dim(inbox, k, 0, keepdims=False)
         messages = messages[:, :size]
         mean = exchange.decode_mean(spec.compressor, frags, messages, deltas, state.key)
+        mean = _over_senders(spec, mean, state.senders[v.p])
         return layout.write(slots, v.group, v.p, mean), ok.at[v.p].set(_finite(mean))
 
     due = spec.schedule.outer_due(state.step, state.sent_at)
@@ -547,19 +665,24 @@ def outer_update(
 
 
 def merge_arrivals(
-    spec: StreamingSpec, state: StreamingState
+    spec: StreamingSpec,
+    state: StreamingState,
+    alive: Bool[Array, " M"] | None = None,
 ) -> tuple[StreamingState, Bool[Array, "M P"]]:
     """Each replica merges the fragments arriving for it at t (Alg. 2, l.12).
 
     `θ_m ← α·θ_m + (1 − α)·θ_g` on the fragment for every replica m with
-    `sent_at + τ_m = t`; a fragment whose outer gradient was not finite is restored to
-    θ_g instead (unless the policy is "apply").
+    `sent_at + τ_m = t`; a fragment whose outer gradient was not finite, or that no
+    replica sent, is restored to θ_g instead (unless the policy is "apply"). With
+    `alive`, a replica that is not alive merges nothing.
 
     Returns:
         The new state and which fragments each replica merged `[M, P]`.
     """
     merging = spec.schedule.merge_due(state.step, state.sent_at)
-    keep = state.inflight_ok | (spec.nonfinite == "apply")
+    if alive is not None:
+        merging = merging & alive[:, None]
+    keep = (state.inflight_ok | (spec.nonfinite == "apply")) & (state.senders > 0)
     layout = spec.layout(state.global_params)
     replicas, static = eqx.partition(state.replica_params, eqx.is_inexact_array)
     r_leaves, r_def = jax.tree.flatten(replicas)
@@ -649,10 +772,28 @@ def _outcome(
 ) -> tuple[Bool[Array, " P"], Bool[Array, " P"]]:
     """Which fragments take their outer step at t, and which of them arrived with a
     non-finite outer gradient (`outer_update`'s report)."""
-    due = spec.schedule.outer_due(state.step, state.sent_at)
+    due = spec.schedule.outer_due(state.step, state.sent_at) & (state.senders > 0)
     failed = due & ~state.inflight_ok
     applied = due if spec.nonfinite == "apply" else due & state.inflight_ok
     return applied, failed
+
+
+def _over_senders(spec: StreamingSpec, mean: list[Array], count: Array) -> list[Array]:
+    """The exchange's mean over M replicas as the mean over the `count` that sent
+    (the others sent zeros); times exactly 1.0 when all did, zero when none did."""
+    m, n = spec.num_replicas, jnp.maximum(count, 1)
+    return [
+        x * jnp.where(count > 0, m / n.astype(x.dtype), 0).astype(x.dtype) for x in mean
+    ]
+
+
+def _replica_mean(values: Array, mask: Bool[Array, " M"] | None) -> Array:
+    """Mean over the leading replica axis, over the replicas in `mask` (all: None)."""
+    if mask is None:
+        return jnp.mean(values, axis=0)
+    mask = mask.reshape((-1,) + (1,) * (values.ndim - 1))
+    total = jnp.sum(jnp.where(mask, values, 0), axis=0)
+    return total / jnp.maximum(jnp.sum(mask), 1)
 
 
 def _to_host(tree: Any) -> Any:
