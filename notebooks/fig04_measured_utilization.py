@@ -84,7 +84,9 @@ for name in order:
     ax.plot(r["rates_mbit"], r["cu_simulated"], "--", color=c, lw=1.2, alpha=0.8)
 ax.plot([], [], "k--", lw=1.2, label="simulator, same step time and bits")
 ax.set_xscale("log")
-ax.set_ylim(0, 1.05)
+top = max(max(r["cu"]) for r in runs.values())
+ax.set_ylim(0, max(1.05, top + 0.02))
+ax.axhline(1.0, color="k", lw=0.6)
 ax.set_xlabel("link rate each way (Mbit/s)")
 ax.set_ylabel("compute utilization")
 ax.legend(fontsize=8, loc="lower right")
@@ -181,6 +183,13 @@ if "streaming_overlap" in runs and "streaming_overlap_in_step" in runs:
     notes += (
         f" The same fp32 Streaming with tau = 1: the courier reaches CU 0.8 at "
         f"{gain:.1f}x less bandwidth than the exchange inside the step."
+    )
+if top > 1:
+    notes += (
+        f" Measured CU reaches {top:.2f}: CU is the compute-only step time over the "
+        "measured step time, both timed on this 2-core machine, so a step with its "
+        "exchange can time a few percent faster than the reference (timing noise of "
+        "that size, not a gain)."
     )
 plotting.save_table(
     rows,

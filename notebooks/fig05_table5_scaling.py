@@ -176,7 +176,29 @@ for method in METHODS:
         100 * (stats[f"{method}|{s}"]["mean"] / stats[f"Data-Parallel|{s}"]["mean"] - 1)
         for s in SIZES
     ]
-    axes[1].plot(f, rel, marker="o", color=colors[method], label=method)
+    if method == "Data-Parallel" or len(SEEDS) < 2:
+        axes[1].plot(f, rel, marker="o", color=colors[method], label=method)
+        continue
+    # 95 % t-interval of the seed-paired differences, relative to Data-Parallel's mean
+    gaps = [
+        ex.paired_gap(
+            ex.finals(results, f"Data-Parallel|{s}"),
+            ex.finals(results, f"{method}|{s}"),
+        )
+        for s in SIZES
+    ]
+    scale = [100 / stats[f"Data-Parallel|{s}"]["mean"] for s in SIZES]
+    low = [r - g["low"] * k for r, g, k in zip(rel, gaps, scale)]
+    high = [g["high"] * k - r for r, g, k in zip(rel, gaps, scale)]
+    axes[1].errorbar(
+        f,
+        rel,
+        yerr=[low, high],
+        marker="o",
+        capsize=3,
+        color=colors[method],
+        label=method,
+    )
 axes[0].set_xscale("log")
 axes[0].set_xlabel("training flops (6 · N · tokens)")
 axes[0].set_ylabel("held-out loss (nats/byte)")
@@ -186,7 +208,7 @@ axes[1].set_xscale("log")
 axes[1].axhline(0, color="k", lw=0.8)
 axes[1].set_xlabel("training flops (6 · N · tokens)")
 axes[1].set_ylabel("loss relative to Data-Parallel (%)")
-axes[1].set_title("(b) gap to Data-Parallel")
+axes[1].set_title("(b) gap to Data-Parallel (bars: 95 % seed-paired t-intervals)")
 axes[1].legend(fontsize=8)
 fig.suptitle(
     "Fig. 5: scaling (HellaSwag, panel (b) of the paper, is not computable offline)"

@@ -127,6 +127,7 @@ for method, color in zip(METHODS, ("tab:orange", "tab:green", "tab:gray")):
     ax.fill_between(hs, low, high, color=color, alpha=0.15)
 ax.axhline(dp["mean"], color="tab:blue", ls="--", label="Data-Parallel")
 ax.set_xscale("log")
+ax.minorticks_off()
 ax.set_xticks(hs, [str(h) for h in hs])
 ax.set_xlabel(f"inner steps between syncs H (log scale; {steps} steps in all)")
 ax.set_ylabel("held-out loss (nats/byte)")

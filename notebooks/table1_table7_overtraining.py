@@ -105,6 +105,10 @@ def hours(method: str, label: str, bandwidth: float) -> float:
     return ut.wall_clock_hours(workload, sim_methods[key], bandwidth, steps)
 
 
+def dp_batch(label: str) -> int:
+    return configs[f"Data-Parallel|{label}"].data.global_batch_size
+
+
 rows = []
 for name in configs:
     method, label = name.split("|")
@@ -127,6 +131,12 @@ for name in configs:
             "TB exchanged (paper)": tb,
             "MB exchanged per replica (ours)": round(bits / 8e6, 3),
             "DP / this, bytes (ours)": round(dp_bits / bits, 1) if bits else math.inf,
+            "same at equal batch": round(
+                dp_bits / bits * dp_batch(label) / configs[name].data.global_batch_size,
+                1,
+            )
+            if bits
+            else math.inf,
             "Eval loss (paper)": paper_loss,
             "Held-out loss, nats/byte (ours)": ex.mean_pm(s),
             "Bits/byte (ours)": round(ex.bits_per_byte(s["mean"]), 3),
@@ -145,7 +155,9 @@ plotting.save_table(
         f"{list(SEEDS)}; held-out loss in nats per byte. Hours: simulator at the paper's "
         "1B scale. Bytes: exact counts of one replica's sends in our runs (Data-Parallel: "
         "a bf16 gradient every step, the paper's accounting; ours: E3M0 outer gradients, "
-        "one fragment every H/P steps)."
+        "one fragment every H/P steps). Data-Parallel's tuned batch is smaller than "
+        "ours, so it takes more steps for the same tokens; 'same at equal batch' is "
+        "the byte ratio Data-Parallel would have at our batch."
     ),
     notebook=NOTEBOOK,
     config={n: c for n, c in configs.items()},
@@ -154,7 +166,7 @@ plotting.save_table(
 print(plotting.markdown_table(rows, columns))
 
 # %%
-fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+fig, axes = plt.subplots(1, 3, figsize=(15, 4))
 colors = {
     "Data-Parallel": plotting.METHOD_COLORS["data_parallel"],
     "Ours, M=2": plotting.METHOD_COLORS["streaming_overlap_fp4"],
@@ -184,8 +196,40 @@ axes[0].set_title("final loss per token budget (mean ± std over seeds)")
 axes[1].set_xlabel("training tokens (bytes)")
 axes[1].set_ylabel("held-out loss (nats/byte)")
 axes[1].set_title("largest budget: loss over training (band: min-max over seeds)")
+for method in ("Ours, M=2", "Ours, M=4"):
+    if len(SEEDS) < 2:
+        break
+    tokens, mean, low, high = [], [], [], []
+    for label in BUDGETS:
+        dp = ex.finals(results, f"Data-Parallel|{label}")
+        g = ex.paired_gap(dp, ex.finals(results, f"{method}|{label}"))
+        k = 100 / stats[f"Data-Parallel|{label}"]["mean"]
+        tokens.append(
+            next(r for r in results if r.name == f"{method}|{label}").summary["tokens"]
+        )
+        mean.append(100 * g["relative"])
+        low.append(100 * g["relative"] - g["low"] * k)
+        high.append(g["high"] * k - 100 * g["relative"])
+    axes[2].errorbar(
+        tokens,
+        mean,
+        yerr=[low, high],
+        marker="o",
+        capsize=3,
+        color=colors[method],
+        label=method,
+    )
+axes[2].axhline(0, color="k", lw=0.8)
+axes[2].set_xscale("log")
+axes[2].set_xlabel("training tokens (bytes)")
+axes[2].set_ylabel("gap to Data-Parallel (%)")
+axes[2].set_title("gap (bars: 95 % seed-paired t-intervals)")
 for ax in axes:
     ax.legend()
+for ax in (axes[0], axes[2]):  # one label per budget, none in between
+    ax.minorticks_off()
+    ticks = sorted(r["Tokens (ours)"] for r in rows if r["Method"] == "Data-Parallel")
+    ax.set_xticks(ticks, [f"{t / 1e6:.1f}M" for t in ticks])
 fig.tight_layout()
 plotting.save_figure(
     fig,

@@ -22,8 +22,8 @@
 # **Here.** Two sizes (`tiny-xxs`, `tiny-xs`) at their tuned settings and 20 tokens per
 # parameter, with a constant global batch (M = 4 halves the batch per replica; the
 # paper does not say whether Table 6 keeps the global batch). The paper's H = 100 and
-# H = 30 are 3.3x apart; ours are 50 and 167 outer rounds (H = steps / rounds: 32 and 9
-# inner steps for tiny-xs). Three seeds; the M = 2, 50-round runs are the headline runs
+# H = 30 are 3.3x apart; we ask for 50 and 167 outer rounds (H = steps // rounds: 32
+# and 9 inner steps for tiny-xs, so that 50 and 179 rounds happen, the table's column). Three seeds; the M = 2, 50-round runs are the headline runs
 # of the `hyperparameter_sweep` notebook (found by config in the run records).
 
 # %%

@@ -95,30 +95,20 @@ def data_parallel(
             grad_fn, in_axes=(None, eqx.if_array(0))
         )(params, batch)
         if participation is None:
-            grads = jax.tree.map(
-                lambda g: jnp.mean(g.astype(wide_dtype(g.dtype)), axis=0).astype(
-                    g.dtype
-                ),
-                grads,
-            )
+            grads = jax.tree.map(_mean, grads)
             new_params, inner_state = _update(inner, params, state.inner_state, grads)
         else:
             participation_lib.check(participation, num_replicas)
             computes = participation.computes
-            count = jnp.sum(computes)
             losses = jnp.where(computes, losses, 0.0)
-            grads = jax.tree.map(lambda g: _masked_mean(g, computes, count), grads)
-            new = _update(inner, params, state.inner_state, grads)
-            params_arrays = eqx.filter(params, eqx.is_array)
-            new_params, inner_state = jax.tree.map(
-                lambda n, o: jnp.where(count > 0, n, o),
-                (eqx.filter(new[0], eqx.is_array), new[1]),
-                (params_arrays, state.inner_state),
+            grads = jax.tree.map(lambda g: _masked_mean(g, computes), grads)
+            new_params, inner_state = _update_if_any(
+                inner, params, state.inner_state, grads, jnp.any(computes)
             )
-            new_params = eqx.combine(new_params, params)
         metrics = _metrics(losses, aux, grads, float(bits_per_fragment(params)[0]))
         if participation is not None:
-            metrics["loss/train"] = jnp.sum(losses) / jnp.maximum(count, 1)
+            count = jnp.maximum(jnp.sum(participation.computes), 1)
+            metrics["loss/train"] = jnp.sum(losses) / count
         new_state = DataParallelState(
             step=state.step + 1, global_params=new_params, inner_state=inner_state
         )
@@ -134,12 +124,30 @@ def _update(inner: optax.GradientTransformation, params, inner_state, grads):
     return eqx.apply_updates(params, updates), inner_state
 
 
-def _masked_mean(g: Array, computes: Array, count: Array) -> Array:
+def _mean(g: Array) -> Array:
+    """Mean over the replicas, in the wide dtype."""
+    return jnp.mean(g.astype(wide_dtype(g.dtype)), axis=0).astype(g.dtype)
+
+
+def _masked_mean(g: Array, computes: Array) -> Array:
     """Mean over the replicas that compute, in the wide dtype (0 when none does)."""
     wide = g.astype(wide_dtype(g.dtype))
     mask = computes.reshape((-1,) + (1,) * (g.ndim - 1))
     total = jnp.sum(jnp.where(mask, wide, 0), axis=0)
-    return (total / jnp.maximum(count, 1).astype(wide.dtype)).astype(g.dtype)
+    count = jnp.maximum(jnp.sum(computes), 1).astype(wide.dtype)
+    return (total / count).astype(g.dtype)
+
+
+def _update_if_any(inner, params, inner_state, grads, any_computes):
+    """`_update`, or nothing changed when no replica computed."""
+    new_params, new_inner = _update(inner, params, inner_state, grads)
+    arrays = eqx.filter(new_params, eqx.is_array)
+    arrays, new_inner = jax.tree.map(
+        lambda n, o: jnp.where(any_computes, n, o),
+        (arrays, new_inner),
+        (eqx.filter(params, eqx.is_array), inner_state),
+    )
+    return eqx.combine(arrays, params), new_inner
 
 
 def _metrics(losses: Array, aux: dict, grads: Any, bits: float) -> Metrics:

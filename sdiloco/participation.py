@@ -109,3 +109,34 @@ def where_replicas(mask: Bool[Array, " M"], new, old):
         return jnp.where(mask.reshape((-1,) + (1,) * (n.ndim - 1)), n, o)
 
     return jax.tree.map(pick, new, old)
+
+
+def mean_over(values: Array, mask: Bool[Array, " M"] | None) -> Array:
+    """Mean over the leading replica axis, over the replicas in `mask` (all: None)."""
+    if mask is None:
+        return jnp.mean(values, axis=0)
+    mask = mask.reshape((-1,) + (1,) * (values.ndim - 1))
+    total = jnp.sum(jnp.where(mask, values, 0), axis=0)
+    return total / jnp.maximum(jnp.sum(mask), 1)
+
+
+def over_senders(mean: list[Array], count: Array, num_replicas: int) -> list[Array]:
+    """An exchange's mean over M replicas, of which only `count` sent (the others
+    sent zeros), as the mean over those that sent: times exactly 1.0 when all did,
+    zero when none did."""
+    n = jnp.maximum(count, 1)
+    return [
+        x * jnp.where(count > 0, num_replicas / n.astype(x.dtype), 0).astype(x.dtype)
+        for x in mean
+    ]
+
+
+def token_weights(steps_since: Array, sends: Bool[Array, " M"] | None) -> Array:
+    """`[M, P]` factors `M·w_m / Σ w`, `w_m` the inner steps replica m took since
+    fragment p's last send (0 for a replica not sending; all 0 when Σ w = 0): scaling
+    each Δ_m by them makes an exchange's mean over M the weighted mean."""
+    w = steps_since.astype(jnp.float32)
+    if sends is not None:
+        w = jnp.where(sends[:, None], w, 0.0)
+    total = jnp.sum(w, axis=0, keepdims=True)
+    return jnp.where(total > 0, w.shape[0] * w / jnp.maximum(total, 1.0), 0.0)

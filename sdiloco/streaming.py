@@ -63,6 +63,7 @@ from .schedule import NEVER, Schedule, make_schedule
 
 NONFINITE_POLICIES = ("skip", "apply", "raise")
 HEAL_POLICIES = ("copy", "reset")
+WEIGHTINGS = ("uniform", "tokens")
 
 
 class StreamingState(NamedTuple):
@@ -78,6 +79,7 @@ class StreamingState(NamedTuple):
     inflight_ok: Bool[Array, " P"]  # [P] bool, whether that Δ̄ was finite
     senders: Int[Array, " P"]  # [P] int32, replicas whose Δ is in that Δ̄ (M: all)
     alive: Bool[Array, " M"]  # [M] bool, who was alive at the last step (elastic)
+    steps_since: Int[Array, "M P"]  # inner steps of m since p's last send (weights)
     residual: Replicated | None  # error feedback, [M, ...] wide dtype; None when off
     key: Array  # [2] uint32, root key of stochastic compressors
     # Posted exchange only (None otherwise), K in-flight slots of B bytes:
@@ -108,6 +110,7 @@ class StreamingSpec(NamedTuple):
     exchange: Exchange | PostedExchange
     memory: GlobalMemory = GlobalMemory()
     heal: str = "copy"
+    weighting: str = "uniform"
 
     @property
     def num_replicas(self) -> int:
@@ -168,6 +171,7 @@ def streaming_diloco(
     exchange: Exchange | PostedExchange = communication.simulated_exchange,
     offload: bool = False,
     heal: str = "copy",
+    weighting: str = "uniform",
 ) -> Algorithm[StreamingSpec]:
     """Streaming DiLoCo (Alg. 2) with overlapped, compressed fragment syncs.
 
@@ -219,6 +223,11 @@ def streaming_diloco(
             moments match a replica training the same θ_g; "reset" starts it afresh
             (the schedule restarts at step 0 for that replica). Either way its
             parameters become θ_g.
+        weighting: how a fragment's average weighs the replicas that sent it:
+            "uniform" (the paper's plain mean) or "tokens" (each Δ_m by the inner
+            steps replica m took since the fragment's last send, so a replica that
+            straggled or has just come back counts for the work it did; applied to Δ
+            before compression; not with `error_feedback`).
 
     Returns:
         The `Algorithm`; its `step(state, batch, participation=None)` takes who
@@ -232,6 +241,13 @@ def streaming_diloco(
     compressor = _check_options(alpha, nonfinite, compressor, error_feedback, fragments)
     if heal not in HEAL_POLICIES:
         raise ValueError(f"heal={heal!r}; allowed: {HEAL_POLICIES}.")
+    if weighting not in WEIGHTINGS:
+        raise ValueError(f"weighting={weighting!r}; allowed: {WEIGHTINGS}.")
+    if weighting == "tokens" and error_feedback:
+        raise ValueError(
+            "weighting='tokens' with error_feedback=True; allowed: one of the two "
+            "(the residual of a reweighted Δ is not the replica's own)."
+        )
     num_fragments = 1 if fragments is None else fragments.num_fragments
     schedule = make_schedule(
         sync_every, num_fragments, num_replicas, overlap, first_send
@@ -256,6 +272,7 @@ def streaming_diloco(
         exchange=exchange,
         memory=GlobalMemory(offload),
         heal=heal,
+        weighting=weighting,
     )
 
     def init(params: Params, key: PRNGKeyArray | None = None) -> StreamingState:
@@ -366,6 +383,7 @@ def streaming_init(
         inflight_ok=jnp.ones((frags.num_fragments,), bool),
         senders=jnp.full((frags.num_fragments,), spec.num_replicas, jnp.int32),
         alive=jnp.ones((spec.num_replicas,), bool),
+        steps_since=jnp.zeros((spec.num_replicas, frags.num_fragments), jnp.int32),
         residual=residual,
         key=jnp.zeros((2,), jnp.uint32) if key is None else _key_data(key),
         outbox=outbox,
@@ -444,7 +462,7 @@ def sync_phase(
         losses, aux = where_replicas(computed, (losses, aux), (0 * losses, aux))
         aux = jax.tree.map(lambda v: where_replicas(computed, v, 0 * v), aux)
     metrics = {
-        "loss/train": _replica_mean(losses, computed),
+        "loss/train": participation_lib.mean_over(losses, computed),
         "loss/replicas": losses,
         "sync/sent": local.sent,
         "sync/applied": applied,
@@ -453,7 +471,9 @@ def sync_phase(
         "nonfinite": jnp.any(failed),
         "comm/bits": jnp.sum(jnp.where(local.sent, bits, 0.0)),
     }
-    metrics.update({f"aux/{k}": _replica_mean(v, computed) for k, v in aux.items()})
+    metrics.update(
+        {f"aux/{k}": participation_lib.mean_over(v, computed) for k, v in aux.items()}
+    )
     metrics.update({f"replicas/aux/{k}": v for k, v in aux.items()})
     return state, metrics
 
@@ -497,7 +517,8 @@ def heal(
         )
 
     state = run_if(jnp.any(back), restore, state)
-    return state._replace(alive=alive)
+    since = jnp.where(back[:, None], 0, state.steps_since)
+    return state._replace(alive=alive, steps_since=since)
 
 
 def inner_update(
@@ -527,8 +548,14 @@ def inner_update(
             (replicas, inner_state),
             (state.replica_params, state.inner_state),
         )
+    took = jnp.ones((spec.num_replicas, 1), jnp.int32)
+    if computes is not None:
+        took = computes[:, None].astype(jnp.int32)
     state = state._replace(
-        step=state.step + 1, replica_params=replicas, inner_state=inner_state
+        step=state.step + 1,
+        replica_params=replicas,
+        inner_state=inner_state,
+        steps_since=state.steps_since + took,
     )
     return state, losses, aux
 
@@ -553,6 +580,11 @@ def send(
     layout = spec.layout(state.global_params)
     t = state.step
     count = jnp.asarray(spec.num_replicas if sends is None else jnp.sum(sends))
+    weights = None  # the uniform mean
+    if spec.weighting == "tokens":
+        weights = participation_lib.token_weights(state.steps_since, sends)
+    if weights is not None:  # per fragment: the senders that did some work
+        count = jnp.sum(weights > 0, axis=0)
 
     def one(v: Visit, inputs, carry):
         g_leaves, r_leaves, key = inputs
@@ -562,13 +594,20 @@ def send(
             deltas = [d + e for d, e in zip(deltas, v.gather(residual, 1))]
         if sends is not None:  # nothing of a replica that does not send
             deltas = [where_replicas(sends, d, jnp.zeros_like(d)) for d in deltas]
+        if weights is not None:  # each Δ_m × M·w_m / Σw: the mean is then weighted
+            w = weights[:, v.p]
+            deltas = [
+                d * w.reshape((-1,) + (1,) * (d.ndim - 1)).astype(d.dtype)
+                for d in deltas
+            ]
         frags, key = v.group.piece_fragments(), jr.fold_in(key, v.p)
         if isinstance(spec.exchange, PostedExchange):
             messages, own = spec.exchange.encode(spec.compressor, frags, deltas, key)
             outbox = _write_message(layout, outbox, v.p, messages)
         else:
             mean, own = spec.exchange(spec.compressor, frags, deltas, key)
-            mean = _over_senders(spec, mean, count)
+            if weights is None:
+                mean = participation_lib.over_senders(mean, count, spec.num_replicas)
             slots = layout.write(slots, v.group, v.p, mean)
             ok = ok.at[v.p].set(_finite(mean))
         if residual is not None:
@@ -591,7 +630,8 @@ def send(
         inflight=slots,
         inflight_ok=ok,
         sent_at=jnp.where(sent, t, state.sent_at),
-        senders=jnp.where(sent, count.astype(jnp.int32), state.senders),
+        senders=jnp.where(sent, count.astype(jnp.int32), state.senders),  # [P] or []
+        steps_since=jnp.where(sent[None, :], 0, state.steps_since),
         residual=residual,
         outbox=outbox,
     )
@@ -619,7 +659,10 @@ def receive(spec: StreamingSpec, state: StreamingState) -> StreamingState:
         messages = jax.lax.dynamic_index_in_dim(inbox, k, 0, keepdims=False)
         messages = messages[:, :size]
         mean = exchange.decode_mean(spec.compressor, frags, messages, deltas, state.key)
-        mean = _over_senders(spec, mean, state.senders[v.p])
+        if spec.weighting == "uniform":
+            mean = participation_lib.over_senders(
+                mean, state.senders[v.p], spec.num_replicas
+            )
         return layout.write(slots, v.group, v.p, mean), ok.at[v.p].set(_finite(mean))
 
     due = spec.schedule.outer_due(state.step, state.sent_at)
@@ -776,24 +819,6 @@ def _outcome(
     failed = due & ~state.inflight_ok
     applied = due if spec.nonfinite == "apply" else due & state.inflight_ok
     return applied, failed
-
-
-def _over_senders(spec: StreamingSpec, mean: list[Array], count: Array) -> list[Array]:
-    """The exchange's mean over M replicas as the mean over the `count` that sent
-    (the others sent zeros); times exactly 1.0 when all did, zero when none did."""
-    m, n = spec.num_replicas, jnp.maximum(count, 1)
-    return [
-        x * jnp.where(count > 0, m / n.astype(x.dtype), 0).astype(x.dtype) for x in mean
-    ]
-
-
-def _replica_mean(values: Array, mask: Bool[Array, " M"] | None) -> Array:
-    """Mean over the leading replica axis, over the replicas in `mask` (all: None)."""
-    if mask is None:
-        return jnp.mean(values, axis=0)
-    mask = mask.reshape((-1,) + (1,) * (values.ndim - 1))
-    total = jnp.sum(jnp.where(mask, values, 0), axis=0)
-    return total / jnp.maximum(jnp.sum(mask), 1)
 
 
 def _to_host(tree: Any) -> Any:

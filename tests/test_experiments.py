@@ -207,3 +207,31 @@ def test_cli_budget_trains_the_notebooks_config():
         regime = config_lib.Regime(20.0, 50)
         want = ex.with_seed(ex.setup(preset, model="tiny-xs", regime=regime), 3)
         assert cli._config(args).replace(name="") == want.replace(name="")
+
+
+@pytest.mark.parametrize("preset", ["data_parallel", "streaming_overlap_fp4"])
+def test_the_cli_budget_trains_a_recorded_headline_run(preset):
+    """`python -m sdiloco train --model tiny-xs --tokens-per-param 20 --rounds 50
+    --seed 0` builds exactly the config of a committed headline record (found by the
+    hash of its config), so the CLI and the notebooks train one regime."""
+    from sdiloco.lab import cli
+
+    argv = [
+        "train",
+        "--preset",
+        preset,
+        "--model",
+        "tiny-xs",
+        "--tokens-per-param",
+        "20",
+        "--rounds",
+        "50",
+        "--seed",
+        "0",
+    ]
+    config = cli._config(cli._parser().parse_args(argv))
+    path = ex.records_dir() / f"{ex.record_key(config)}.json"
+    assert path.exists(), f"no headline record {path.name} for {preset}"
+    record = json.loads(path.read_text())
+    assert record["config"]["eval_windows"] is None
+    assert record["config"]["inner"]["warmup_fraction"] == config.inner.warmup_fraction

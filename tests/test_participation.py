@@ -229,3 +229,41 @@ def test_bad_participation_is_named_before_any_compute(bad, match):
     state = alg.init(_params())
     with pytest.raises(ValueError, match=match):
         alg.step(state, _batches(3)[0], bad())
+
+
+def test_token_weighting_is_the_mean_weighted_by_the_steps_each_replica_took():
+    """Float64 reference: after the first send (t = 4, τ = 1, float32 messages) the
+    in-flight Δ̄ of fragment 0 is Σ w_m (θ_g − θ_m) / Σ w_m, w_m the inner steps
+    replica m took in steps 1-4; with everyone at every step it equals the uniform
+    mean bitwise."""
+    from sdiloco.streaming import inflight_outer_gradients
+
+    batches = _batches(3)
+    computes = [
+        [True, True, True],
+        [True, False, True],
+        [True, False, False],
+        [True, True, False],
+    ]
+    trace = [Participation.of([True] * 3, computes=c) for c in computes]
+    alg = _streaming(3, compressor=None, weighting="tokens")
+    state = _run(alg, batches[:4], trace)
+    w = np.sum(computes, axis=0).astype(np.float64)  # 4, 2, 2
+    g = jax.tree.map(lambda x: np.asarray(x, np.float64), state.global_params)
+    r = jax.tree.map(lambda x: np.asarray(x, np.float64), state.replica_params)
+    got = inflight_outer_gradients(alg.spec, state)
+    for k in ("a", "c"):  # fragment 0
+        want = np.tensordot(w, g[k][None] - r[k], axes=1) / w.sum()
+        np.testing.assert_allclose(np.asarray(got[k]), want, rtol=1e-5, atol=1e-6)
+    uniform = _run(_streaming(3, compressor=None), batches, [everyone(3)] * STEPS)
+    tokens = _run(
+        _streaming(3, compressor=None, weighting="tokens"),
+        batches,
+        [everyone(3)] * STEPS,
+    )
+    assert_trees_equal(uniform.global_params, tokens.global_params)
+
+
+def test_token_weighting_refuses_error_feedback():
+    with pytest.raises(ValueError, match="weighting='tokens' with error_feedback=True"):
+        _streaming(3, weighting="tokens", error_feedback=True)

@@ -4,6 +4,7 @@ import json
 import os
 import shutil
 
+import equinox as eqx
 import jax
 import numpy as np
 import pytest
@@ -198,13 +199,10 @@ def test_evaluation_is_the_mean_over_windows_with_its_standard_error():
     windows = data_lib.evaluation_windows(
         r.heldout_tokens, seq_len=r.model_config.seq_len, num_windows=300
     )
+    ce = eqx.filter_jit(lambda m, b: model_lib.loss_with_aux(m, b)[1]["ce"])
     per = np.asarray(
         [
-            float(
-                model_lib.loss_with_aux(
-                    r.model, {k: v[i : i + 1] for k, v in windows.items()}
-                )[1]["ce"]
-            )
+            float(ce(r.model, {k: v[i : i + 1] for k, v in windows.items()}))
             for i in range(300)
         ],
         np.float64,
@@ -223,3 +221,30 @@ def test_too_many_evaluation_windows_is_an_error_before_training():
         build(_tiny(eval_windows=10**8))
     with pytest.raises(ValueError, match="RunConfig.eval_windows=0"):
         _tiny(eval_windows=0)
+
+
+@pytest.mark.parametrize("preset", ["data_parallel", "streaming_overlap_fp4"])
+def test_a_run_with_failures_feeds_its_seeded_trace_to_every_step(preset):
+    """A trace without failures trains the run without one; with failures the run
+    stays finite and reports what the trace held.
+
+    (The step with a participation input is another XLA program than the step
+    without: on the transformer XLA:CPU may round its fusions differently, so the
+    two agree to float32 rounding; `test_participation.py` checks the arithmetic
+    bitwise where the programs round alike.)"""
+    cfg = _tiny(preset, method={"num_replicas": 4}, data={"global_batch_size": 8})
+    plain = run(cfg, progress=False)
+    calm = run(cfg.replace(failures={}), progress=False)
+    assert calm.final_eval() == pytest.approx(plain.final_eval(), rel=1e-6)
+    rough = run(
+        cfg.replace(failures={"failures": 4.0, "repair": 0.2, "seed": 5}),
+        progress=False,
+    )
+    assert np.isfinite(rough.final_eval())
+    assert rough.summary["participation"]["failures"] > 0
+
+
+def test_failures_need_the_one_device_simulation():
+    cfg = _tiny(failures={"failures": 1.0})
+    with pytest.raises(ValueError, match=r"RunConfig.failures=.* courier"):
+        run(cfg, progress=False, courier=True)

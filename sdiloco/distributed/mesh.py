@@ -290,8 +290,8 @@ def sharded_step(
         raise ValueError(f"metrics={metrics!r}; allowed: 'replicated' or 'local'.")
     whole = NamedSharding(mesh, PartitionSpec())
 
-    def constrained(state, batch):
-        new_state, out = step(state, batch)
+    def constrained(state, batch, *participation):
+        new_state, out = step(state, batch, *participation)
         shardings = state_shardings(new_state, mesh, fsdp=fsdp)
         new_state = jax.tree.map(
             lambda x, s: jax.lax.with_sharding_constraint(x, s) if s else x,

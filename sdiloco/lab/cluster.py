@@ -257,7 +257,7 @@ class Placement:
             return host
         return distributed.shard_batch(host, self.mesh, self.num_replicas)
 
-    def step(self, algorithm: Any) -> Callable[[Any, Any], tuple[Any, Any]]:
+    def step(self, algorithm: Any) -> Callable[..., tuple[Any, Any]]:
         """The jitted, state-donating step on this layout (a `distributed.Courier`
         for a posted exchange)."""
         if self.mesh is None:

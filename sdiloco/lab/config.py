@@ -26,6 +26,7 @@ from typing import Any
 
 import optax
 
+from ..sim.chaos import Failures
 from . import fields, model as model_lib
 from .methods import (
     METHODS as METHODS,
@@ -171,6 +172,10 @@ class RunConfig:
     """Save a checkpoint every this many steps (0: only at the end, if `out_dir`)."""
     keep_checkpoints: int = 2
     """How many checkpoints to keep."""
+    failures: Failures | None = None
+    """Replica failures and stragglers to simulate (`sdiloco.sim.chaos`): the run
+    feeds the seeded trace's participation to every step; None: every replica takes
+    part in every step."""
 
     def __post_init__(self):
         if isinstance(self.method, dict):
@@ -215,6 +220,9 @@ class RunConfig:
     def replace(self, **changes: Any) -> "RunConfig":
         """A copy with fields changed; `method`/`inner`/`data` may be dicts of changes
         (a `method` dict with another `kind` switches the method)."""
+        if isinstance(changes.get("failures"), dict):
+            base = self.failures or Failures()
+            changes["failures"] = fields.replace(base, **changes["failures"])
         for name in ("method", "inner", "data"):
             if isinstance(changes.get(name), dict) and name == "method":
                 changes[name] = replace_method(self.method, **changes[name])

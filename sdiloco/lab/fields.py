@@ -36,6 +36,8 @@ def from_dict(cls: Any, data: dict) -> Any:
             value = from_dict(hint, value)
         elif isinstance(value, dict) and dataclasses.is_dataclass(hint):
             value = from_dict(hint, value)
+        elif isinstance(value, dict) and _optional_config(hint) is not None:
+            value = from_dict(_optional_config(hint), value)
         elif isinstance(value, list):
             value = tuple(value)
         kwargs[name] = value
@@ -104,6 +106,15 @@ def in_range(name, value, low, high, allowed: str, open_high: bool = False) -> N
         ok = value < high if open_high else value <= high
     if not ok:
         raise ValueError(f"{name}={value!r}; must be in {allowed}.")
+
+
+def _optional_config(hint: Any) -> Any:
+    """The config class of a `Config | None` hint, else None."""
+    args = typing.get_args(hint) if isinstance(hint, types.UnionType) else ()
+    members = [a for a in args if a is not type(None)]
+    if len(args) == 2 and len(members) == 1 and dataclasses.is_dataclass(members[0]):
+        return members[0]
+    return None
 
 
 def _is_config_union(hint: Any) -> bool:

@@ -26,12 +26,15 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from ..base import Algorithm, replica_average, replica_params
+from ..participation import Participation
+from ..sim import chaos
 from . import data as data_lib, model as model_lib
 from .checkpoint import Checkpointer
 from .cluster import Placement
@@ -184,6 +187,12 @@ def run(
         courier=courier,
     )
     _check_batch(c, place)
+    if c.failures is not None and (courier or place.mesh is not None):
+        raise ValueError(
+            f"RunConfig.failures={c.failures!r} on a mesh or with a courier; allowed: "
+            "failures only in the one-device simulation (the elastic multi-process "
+            "job is not built yet)."
+        )
     r = build(config, place)
     history = History(config)
     log = _Log(r, history, progress and place.primary, place)
@@ -208,6 +217,9 @@ def run(
         if ckpt is not None:
             ckpt.close()
     history.summary = log.summary(last)
+    trace = _trace(c)
+    if trace is not None:
+        history.summary["participation"] = chaos.summary(trace)
     history.state = state
     if out_dir is not None and place.primary:
         history.save(out_dir)
@@ -228,9 +240,14 @@ class _Loop:
         """Steps `start + 1 ... last` from `state`; returns the last state."""
         c, place = self.r.config, self.place
         step_fn, evaluate = place.step(self.r.algorithm), _evaluator(self.r, c, place)
+        trace = _trace(c)
         self.log.start(start)
         for step in range(start + 1, last + 1):
-            state, metrics = step_fn(state, place.batch(self.iterators))
+            batch = place.batch(self.iterators)
+            if trace is None:
+                state, metrics = step_fn(state, batch)
+            else:
+                state, metrics = step_fn(state, batch, _participation(trace, step))
             self.log.record(
                 step, metrics, flush=step % c.log_every == 0 or step == last
             )
@@ -254,6 +271,20 @@ class _Loop:
         meta["data"] = [positions[m] for m in range(self.r.config.method.num_replicas)]
         with place.exclusive():  # orbax's barriers are collectives too
             self.ckpt.save(step, state, meta)
+
+
+def _trace(c: RunConfig) -> chaos.Trace | None:
+    """The run's seeded failure trace (`RunConfig.failures`), or None."""
+    if c.failures is None:
+        return None
+    trace = chaos.failure_trace(c.failures, c.method.num_replicas, c.steps)
+    chaos.check_trace(trace, c.method.num_replicas, c.steps)
+    return trace
+
+
+def _participation(trace: chaos.Trace, step: int) -> Participation:
+    """Row `step` (1-based) of a trace, as the step's input."""
+    return Participation(*(jnp.asarray(x[step - 1]) for x in trace))
 
 
 def _check_batch(c: RunConfig, place: Placement) -> None:

@@ -36,6 +36,7 @@ from ..lab import train
 from ..lab.config import PerBatch as PerBatch, Regime as Regime, RunConfig, preset
 from ..lab.methods import StreamingConfig
 from ..lab.model import preset as preset_model
+from . import provenance
 from .plotting import FAST, REPO_ROOT
 
 
@@ -225,7 +226,8 @@ def run_one(
     """Train `config` with `seed` (or read its record) and return its `Result`.
 
     A finished run is recorded as `records_dir()/<record_key>.json` (config, evals,
-    history rows, summary), written atomically; a later call reads it instead of
+    history rows, summary, and the `code` that made it: `provenance.code()`),
+    written atomically; a later call reads it instead of
     training, unless `retrain()`. FAST mode neither reads nor writes records; it
     keeps its finished runs in memory for the process instead (a notebook that asks
     twice for one run trains it once).
@@ -244,7 +246,7 @@ def run_one(
         return Result(name, seed, c, d["evals"], d["rows"], d["summary"])
     if use_cache and path.exists() and not retrain():
         d = json.loads(path.read_text())
-        _log_run(key, False, d["summary"])
+        _log_run(key, False, d["summary"], stale=not provenance.is_current(d))
         return Result(name, seed, c, d["evals"], d["rows"], d["summary"])
     callback, collect = None, dict
     if callback_factory is not None:
@@ -253,7 +255,8 @@ def run_one(
     if use_cache:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(h.to_dict(), separators=(",", ":")))
+        record = {**h.to_dict(), "code": provenance.code()}
+        tmp.write_text(json.dumps(record, separators=(",", ":")))
         tmp.replace(path)  # never a partial record
     elif FAST and callback_factory is None:
         _FAST_RUNS[key] = {"evals": h.evals, "rows": h.rows, "summary": h.summary}
@@ -263,14 +266,18 @@ def run_one(
 
 RUN_LOG = "SDILOCO_RUN_LOG"
 """Environment variable: a file to which `run_one` appends one JSON line per run it
-returns (`key`, whether it `trained` now, the run's training `wall_s`);
+returns (`key`, whether it `trained` now, the run's training `wall_s`, whether its
+record is `stale`: made by code of another numerics fingerprint, `provenance`);
 `sdiloco.paper` sets it to learn how long a notebook's runs took to train."""
 
 
-def _log_run(key: str, trained: bool, summary: Mapping[str, Any]) -> None:
+def _log_run(
+    key: str, trained: bool, summary: Mapping[str, Any], stale: bool = False
+) -> None:
     path = os.environ.get(RUN_LOG)
     if path:
         line = {"key": key, "trained": trained, "wall_s": summary.get("wall_s")}
+        line["stale"] = stale
         with open(path, "a") as f:
             f.write(json.dumps(line) + "\n")
 

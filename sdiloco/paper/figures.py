@@ -17,10 +17,12 @@ seconds; `--retrain` trains them again.
 
 NAME selects notebooks whose file name contains it (e.g. `fig08`, `table4`); none runs
 them all. `--jobs 2` runs two notebooks at a time. A full-mode execution records in
-`paper_figures/runtimes.json`, per notebook: its wall time (`wall_s`, including any
-training it did), its learning runs (`runs`), how many it trained then
-(`trained`) and their training time summed from their records (`train_s`, whenever
-they trained): re-rendering from records does not erase what training took.
+`paper_figures/runtimes.json`, per notebook: the time to render it (`render_s`, its
+wall time less the training it did in that execution), its learning runs (`runs`), how
+many it trained then (`trained`), their training time summed from their records
+(`train_s`, whenever they trained: re-rendering from records does not erase what
+training took) and how many of the records it read were stale (`stale`: made by code
+of another numerics fingerprint, `provenance`).
 
 The notebooks and outputs are those of a repository checkout: the one holding the
 current directory, or `$SDILOCO_REPO`, or `--notebooks DIR` (see `plotting.repo_root`).
@@ -38,7 +40,7 @@ import sys
 import tempfile
 import time
 
-from . import experiments
+from . import experiments, provenance
 from .plotting import repo_root
 
 
@@ -125,17 +127,21 @@ def run_times(lines: list[str]) -> dict:
         seen = runs.setdefault(d["key"], d)
         seen["trained"] = seen["trained"] or d["trained"]
     walls = [d["wall_s"] for d in runs.values() if d["wall_s"] is not None]
+    now = [d["wall_s"] or 0.0 for d in runs.values() if d["trained"]]
     return {
         "runs": len(runs),
         "trained": sum(d["trained"] for d in runs.values()),
         "train_s": round(float(sum(walls)), 1),
+        "trained_now_s": round(float(sum(now)), 1),
+        "stale": sum(bool(d.get("stale")) for d in runs.values()),
     }
 
 
 def _record(out_dir: pathlib.Path, name: str, wall: float, runs: dict) -> None:
     path = out_dir / "runtimes.json"
     times = json.loads(path.read_text()) if path.exists() else {}
-    times[name] = {"wall_s": round(wall, 1), **runs}
+    render = max(0.0, wall - runs.pop("trained_now_s", 0.0))
+    times[name] = {"render_s": round(render, 1), **runs}
     path.write_text(json.dumps(dict(sorted(times.items())), indent=1) + "\n")
 
 
@@ -170,6 +176,14 @@ def _parser() -> argparse.ArgumentParser:
         "(default: re-render from the committed records, training only what is missing)",
     )
     p.add_argument("--jobs", type=int, default=1, help="notebooks run at a time")
+    p.add_argument(
+        "--verify",
+        type=int,
+        metavar="K",
+        help="retrain K fingerprinted records (sampled among the cheapest) and check "
+        "them: bitwise when made by code of this fingerprint, within "
+        "provenance.OTHER_MACHINE_RTOL otherwise; exit 1 if one fails or none exists",
+    )
     p.add_argument("--list", action="store_true", help="list the notebooks and exit")
     return p
 
@@ -189,12 +203,40 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.jobs < 1:
         p.error(f"--jobs={args.jobs}; must be >= 1.")
+    if args.verify is not None:
+        return _verify(args.verify)
+    if not args.fast:  # once here, for every notebook's kernel
+        os.environ[provenance.FINGERPRINT_ENV] = provenance.fingerprint()
     # Outputs sit next to the notebooks, in their checkout.
     root = paths[0].parent.resolve().parent
     default = root / ("runs/figures-fast" if args.fast else "paper_figures")
     out_dir = pathlib.Path(args.out or default).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     return _run_all(paths, out_dir, args.fast, args.jobs)
+
+
+def _verify(k: int) -> int:
+    """`--verify K`: retrain K current records and compare them bitwise."""
+    if k < 1:
+        print(f"error: --verify={k}; must be >= 1.", file=sys.stderr)
+        return 2
+    experiments.enable_compile_cache()
+    print(f"numerics fingerprint of this code: {provenance.fingerprint()}", flush=True)
+    rows = provenance.verify(experiments.records_dir(), k)
+    for row in rows:
+        made = "this fingerprint" if row["same_fingerprint"] else "another fingerprint"
+        verdict = "bitwise equal" if row["equal"] else "differs"
+        verdict += f", largest relative gap {row['max_rel_gap']:.2g}"
+        status = "ok" if row["passed"] else "FAILED"
+        print(f"{row['key']} ({made}): {verdict}: {status}", flush=True)
+    if not rows:
+        print(
+            "error: no record carries a numerics fingerprint; record runs with "
+            "python -m sdiloco.paper NAME first.",
+            file=sys.stderr,
+        )
+        return 1
+    return 0 if all(r["passed"] for r in rows) else 1
 
 
 def _run_one(
@@ -221,6 +263,9 @@ def _run_all(paths: list, out_dir: pathlib.Path, fast: bool, jobs: int) -> int:
         runs_of = pool.map(lambda p: _run_one(p, out_dir, fast, alone), paths)
         for name, wall, rc, runs in runs_of:
             status = "ok" if rc == 0 else f"FAILED (exit {rc})"
+            if runs.get("stale"):
+                status += f"; {runs['stale']} of {runs['runs']} records were made by "
+                status += "code of another numerics fingerprint (stale)"
             print(f"{name}: {status} in {wall:.0f} s", flush=True)
             if rc:
                 failed.append(name)

@@ -220,27 +220,32 @@ def standard_axes(method_kind: str) -> tuple[Axis, ...]:
     return (inner, outer, momentum, batch)
 
 
-def below_only(value: float, direction: int) -> float:
-    """`extend` halving below the smallest value and never extending above (for a
-    fraction, which must stay below 1)."""
-    return value / 2 if direction < 0 else value
+def fraction_step(value: float, direction: int) -> float:
+    """`extend` for a fraction in (0, 1): half of it below, halfway to 1 above."""
+    return value / 2 if direction < 0 else (1 + value) / 2
 
 
 WARMUP: Axis = Axis(
-    "inner.warmup_fraction", (1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2), below_only
+    "inner.warmup_fraction", (1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2), fraction_step
 )
 """The schedule's axis: the warmup as a fraction of the steps, 2x apart, extended
-below its smallest value (twice at most)."""
+past its edges (twice at most: 1/2 → 3/4 → 7/8)."""
 
 
 def tune_warmup(
-    preset: str, model: str, *, regime: Regime, seeds: Sequence[int] = (0,)
+    preset: str,
+    model: str,
+    *,
+    regime: Regime,
+    seeds: Sequence[int] = (0,),
+    axis: Axis = WARMUP,
 ) -> Search:
     """The warmup swept for one method and size, the other settings at their tuned
-    values (`config.TUNED`): the protocol's last axis, on the validation split, the
-    same grid (`WARMUP`) and budget for every method."""
+    values (`config.TUNED`, without a tuned warmup): the protocol's last axis, on the
+    validation split, the same grid (`WARMUP`) and budget for every method."""
     base = make_preset(preset, model=model, data={"validation": True})
-    return coordinate_search(regime.apply(base), [WARMUP], regime=regime, seeds=seeds)
+    base = base.replace(inner={"warmup_fraction": None})
+    return coordinate_search(regime.apply(base), [axis], regime=regime, seeds=seeds)
 
 
 def tune(
