@@ -73,6 +73,8 @@ def analytic(
         "inflight_ok": num_fragments,
         "senders": 4 * num_fragments,
         "alive": replicas,
+        # inner steps each replica took since each fragment's last sync (token weights):
+        "steps_since": 4 * replicas * num_fragments,
         "residual": 0,
         "key": 8,
         # The posted exchange's packed messages (none with the in-step exchange):

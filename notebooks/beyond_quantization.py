@@ -34,6 +34,7 @@ from sdiloco.paper import experiments as ex, plotting
 plotting.style()
 NOTEBOOK = "beyond_quantization"
 SEEDS = (0,)
+LABEL = ex.pretuning_label(SEEDS)
 PAPER_CHOICE = {
     "quantizer": "e3m0",
     "granularity": "tensor",
@@ -76,7 +77,7 @@ plotting.save_table(
     rows,
     "beyond_quantization",
     title="Beyond the paper: quantization knobs (tiny-s, M = 2, H = 20, τ = 1, α = 0.5, one seed)",
-    notes="One seed: differences below the seed spread of the Table 1 notebook (about 0.1 nats/byte) are not resolved.",
+    notes=LABEL,
     notebook=NOTEBOOK,
     config=configs,
     seeds=SEEDS,
@@ -101,6 +102,7 @@ ax.set_title("Quantization knobs around the paper's choice (one seed)")
 plotting.save_figure(
     fig,
     "beyond_quantization_plot",
+    label=LABEL,
     notebook=NOTEBOOK,
     config=configs,
     seeds=SEEDS,

@@ -37,6 +37,7 @@ NOTEBOOK = "fig06_fragment_size"
 SIZES = (3,) if plotting.FAST else (1, 2, 3, 6)
 PATTERNS = ("sequential", "strided")
 SEEDS = (0,)
+LABEL = ex.pretuning_label(SEEDS)
 
 # %%
 configs = {}
@@ -75,6 +76,7 @@ plotting.save_table(
     rows,
     "fig06_fragment_size",
     title="Fig. 6: fragment size (tiny-s, 6 layers, M = 2, H = 20, overlapped FP4)",
+    notes=LABEL,
     notebook=NOTEBOOK,
     config=configs,
     seeds=SEEDS,
@@ -110,6 +112,7 @@ fig.tight_layout()
 plotting.save_figure(
     fig,
     "fig06_fragment_size",
+    label=LABEL,
     notebook=NOTEBOOK,
     config=configs,
     seeds=SEEDS,

@@ -33,6 +33,7 @@ plotting.style()
 NOTEBOOK = "fig10_heterogeneous_tau"
 TAU2 = (1, 2) if plotting.FAST else (1, 2, 5, 10, 15)
 SEEDS = (0,)
+LABEL = ex.pretuning_label(SEEDS)
 
 # %%
 configs = {
@@ -57,6 +58,7 @@ plotting.save_table(
     rows,
     "fig10_heterogeneous_tau",
     title="Fig. 10: per-replica overlap, τ1 = 1 and τ2 swept (tiny-s, M = 2, H = 20, α = 0.5)",
+    notes=LABEL,
     notebook=NOTEBOOK,
     config=configs,
     seeds=SEEDS,
@@ -78,6 +80,7 @@ ax.legend()
 plotting.save_figure(
     fig,
     "fig10_heterogeneous_tau",
+    label=LABEL,
     notebook=NOTEBOOK,
     config=configs,
     seeds=SEEDS,

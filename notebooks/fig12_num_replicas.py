@@ -44,6 +44,7 @@ MODES = {
 if plotting.FAST:
     MODES = {"constant global batch": MODES["constant global batch"]}
 SEEDS = (0,)
+LABEL = ex.pretuning_label(SEEDS)
 
 # %%
 configs = {}
@@ -79,6 +80,7 @@ plotting.save_table(
     rows,
     "fig12_num_replicas",
     title="Fig. 12: scaling M at a constant token budget (tiny-s, H = 20)",
+    notes=LABEL,
     notebook=NOTEBOOK,
     config=configs,
     seeds=SEEDS,
@@ -108,6 +110,7 @@ fig.tight_layout()
 plotting.save_figure(
     fig,
     "fig12_num_replicas",
+    label=LABEL,
     notebook=NOTEBOOK,
     config=configs,
     seeds=SEEDS,

@@ -38,6 +38,7 @@ from sdiloco.paper import experiments as ex, plotting
 plotting.style()
 NOTEBOOK = "fig17_fig18_cosine_similarity"
 SIZES = ("tiny-xs",) if plotting.FAST else ("tiny-xs", "tiny-s", "tiny-m")
+LABEL = ex.pretuning_label([0], model=", ".join(SIZES))
 
 # %%
 configs = {size: ex.small_setup("streaming_overlap_fp4", model=size) for size in SIZES}
@@ -66,7 +67,9 @@ plotting.save_table(
     rows,
     "fig17_fig18_cosine_similarity",
     title="Figs. 17-18: mean cosine similarity of the two replicas' outer gradients",
-    notes="Means over the sends in each third of training (block fragments), over all sends (embedding fragment), and per layer over all sends of its fragment.",
+    notes="Means over the sends in each third of training (block fragments), over all sends (embedding fragment), and per layer over all sends of its fragment."
+    + " "
+    + LABEL,
     notebook=NOTEBOOK,
     config=configs,
     seeds=[0],
@@ -92,6 +95,7 @@ fig.tight_layout()
 plotting.save_figure(
     fig,
     "fig17_cosine_per_fragment",
+    label=LABEL,
     notebook=NOTEBOOK,
     config=configs,
     seeds=[0],
@@ -122,6 +126,7 @@ fig.tight_layout()
 plotting.save_figure(
     fig,
     "fig18_cosine_per_layer",
+    label=LABEL,
     notebook=NOTEBOOK,
     config=configs,
     seeds=[0],

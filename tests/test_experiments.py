@@ -4,6 +4,7 @@ import json
 import math
 import pathlib
 
+import jax
 import pytest
 from hypothesis import given, settings, strategies as st
 
@@ -140,12 +141,19 @@ def test_run_one_logs_the_training_time_of_a_recorded_run(tmp_path, monkeypatch)
         result = ex.run_one("dp", config, 3)
     assert result.summary == {"wall_s": 12.5}
     lines = (tmp_path / "log.jsonl").read_text().splitlines()
+    # The record carries no code provenance, so it is read as stale.
     assert [json.loads(x) for x in lines] == [
-        {"key": key, "trained": False, "wall_s": 12.5}
+        {"key": key, "trained": False, "wall_s": 12.5, "stale": True}
     ] * 2
     from sdiloco.paper import figures
 
-    assert figures.run_times(lines) == {"runs": 1, "trained": 0, "train_s": 12.5}
+    assert figures.run_times(lines) == {
+        "runs": 1,
+        "trained": 0,
+        "train_s": 12.5,
+        "trained_now_s": 0.0,
+        "stale": 1,
+    }
 
 
 def test_run_times_count_each_run_once_and_sum_their_training():
@@ -155,10 +163,22 @@ def test_run_times_count_each_run_once_and_sum_their_training():
         json.dumps({"key": "a", "trained": False, "wall_s": 100.0}),
         json.dumps({"key": "b", "trained": True, "wall_s": 20.25}),
         json.dumps({"key": "a", "trained": False, "wall_s": 100.0}),
-        json.dumps({"key": "c", "trained": False, "wall_s": None}),
+        json.dumps({"key": "c", "trained": False, "wall_s": None, "stale": True}),
     ]
-    assert figures.run_times(lines) == {"runs": 3, "trained": 1, "train_s": 120.2}
-    assert figures.run_times([]) == {"runs": 0, "trained": 0, "train_s": 0.0}
+    assert figures.run_times(lines) == {
+        "runs": 3,
+        "trained": 1,
+        "train_s": 120.2,  # every run's recorded training time
+        "trained_now_s": 20.2,  # of which spent in this execution
+        "stale": 1,
+    }
+    assert figures.run_times([]) == {
+        "runs": 0,
+        "trained": 0,
+        "train_s": 0.0,
+        "trained_now_s": 0.0,
+        "stale": 0,
+    }
 
 
 @pytest.mark.parametrize("name", ["data_parallel", "diloco", "streaming_overlap_fp4"])
@@ -235,3 +255,32 @@ def test_the_cli_budget_trains_a_recorded_headline_run(preset):
     record = json.loads(path.read_text())
     assert record["config"]["eval_windows"] is None
     assert record["config"]["inner"]["warmup_fraction"] == config.inner.warmup_fraction
+
+
+def test_a_run_with_a_callback_is_recorded_with_what_it_collected(
+    tmp_path, monkeypatch
+):
+    """A callback's collection (e.g. Figs. 17-18's cosines) is recorded with the run
+    under its own key, and a second call reads it back without training."""
+    monkeypatch.setattr(ex, "FAST", False)
+    monkeypatch.setenv("SDILOCO_RUN_CACHE", str(tmp_path / "runs"))
+    monkeypatch.delenv("SDILOCO_RETRAIN", raising=False)
+    regime = ex.Regime(0.2, 2, evals=1, eval_windows=8)
+    config = ex.setup("data_parallel", model="tiny-xxxs", regime=regime)
+    calls = []
+
+    def counting(run):
+        steps: list[int] = []
+        calls.append(1)
+        return (lambda step, state, metrics: steps.append(step)), lambda: {
+            "steps": list(steps)
+        }
+
+    with jax.numpy_dtype_promotion("standard"):  # optax's AdamW: `b1 ** count`
+        first = ex.run_one("dp", config, 0, callback_factory=counting)
+    assert first.extra == {"steps": list(range(1, config.steps + 1))}
+    again = ex.run_one("dp", config, 0, callback_factory=counting)
+    assert calls == [1]  # read from its record: the factory was not called again
+    assert again.extra == first.extra and again.evals == first.evals
+    keys = sorted(p.stem for p in (tmp_path / "runs").glob("*.json"))
+    assert keys == [f"{ex.record_key(ex.with_seed(config, 0))}-counting"]

@@ -102,10 +102,13 @@ def test_state_holds_one_slot_of_the_largest_fragment():
     assert state.inflight.shape == (1, max(frags.sizes()))
     n = sum(x.size for x in jax.tree.leaves(params))
     share = sdiloco.per_replica_bytes(state)
-    # θ_m, Adam's two moments, θ_g, the outer momentum: 5N; plus the slot and the
-    # scalars (steps, counts, key): far below the old 6N.
+    # θ_m, Adam's two moments, θ_g, the outer momentum: 5N; plus the slot, the
+    # scalars (step, Adam's counts, key) and the per-fragment bookkeeping (sent at,
+    # senders, each replica's steps since the sync): far below the old 6N.
+    p, m = frags.num_fragments, 2
     assert share["inflight"] == 4 * max(frags.sizes()) < 4 * n
-    assert sum(share.values()) <= 4 * (5 * n + max(frags.sizes())) + 64
+    bookkeeping = 4 * p * (2 + m) + p + m
+    assert sum(share.values()) <= 4 * (5 * n + max(frags.sizes())) + 64 + bookkeeping
 
 
 # ------------------------------------------------------ the compiled sync's shape

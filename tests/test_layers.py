@@ -2,7 +2,8 @@
 
 core (sdiloco/*.py, compression/, distributed/): jax, equinox, optax, jaxtyping, numpy
 and the standard library; never the harnesses. sim/: NumPy only. lab/: the core plus
-grain, orbax, tqdm. paper/: anything; nothing imports it.
+grain, orbax, tqdm, and sim/ (the training loop replays the chaos simulator's failure
+traces). paper/: anything; nothing imports it.
 """
 
 import ast
@@ -35,7 +36,7 @@ THIRD_PARTY = {
 MAY_IMPORT = {  # which layers of sdiloco each layer may import
     "core": {"core"},
     "sim": {"sim"},
-    "lab": {"core", "lab"},
+    "lab": {"core", "sim", "lab"},
     "paper": {"core", "sim", "lab", "paper"},
 }
 

@@ -160,6 +160,17 @@ def small_setup(name: str, **changes: Any) -> RunConfig:
     return config.replace(eval_windows=PerBatch(2 if FAST else 8).windows(config))
 
 
+def pretuning_label(seeds: Sequence[int], model: str = SMALL_MODEL) -> str:
+    """The label every artifact of the pre-tuning regime carries (`small_setup`)."""
+    n = len(seeds)
+    return (
+        f"Pre-tuning regime (small_setup): the presets' untuned values, {model}, "
+        f"{STEPS} steps, {n} seed{'s' if n != 1 else ''}, each run scored on its own "
+        "batches of held-out windows; differences below about 0.1 nats/byte (the "
+        "seed spread) are not resolved."
+    )
+
+
 @dataclasses.dataclass
 class Result:
     """One finished run: its name in the comparison, its seed and what it produced."""
@@ -171,7 +182,7 @@ class Result:
     rows: list[dict]
     summary: dict
     extra: dict = dataclasses.field(default_factory=dict)
-    """What a callback collected (not cached)."""
+    """What a callback collected (recorded with the run)."""
 
     def final(self, metric: str = "eval/global") -> float:
         """The metric at the last evaluation."""
@@ -234,34 +245,39 @@ def run_one(
 
     Args:
         callback_factory: `factory(run) -> (callback, collect)`: `callback` goes to
-            `train.run`, `collect()` returns what it gathered (stored in
-            `Result.extra`). A run with a callback is never recorded.
+            `train.run`, `collect()` returns what it gathered (JSON-serialisable;
+            `Result.extra`). Such a run is recorded under its own key (the config's
+            and the factory's name), with what it collected.
     """
     c = with_seed(config, seed)
-    use_cache = not FAST and callback_factory is None
     key = record_key(c)
+    if callback_factory is not None:
+        key = f"{key}-{callback_factory.__name__}"
     path = records_dir() / f"{key}.json"
-    if FAST and callback_factory is None and key in _FAST_RUNS:
+    if FAST and key in _FAST_RUNS:
         d = _FAST_RUNS[key]
-        return Result(name, seed, c, d["evals"], d["rows"], d["summary"])
-    if use_cache and path.exists() and not retrain():
+        return Result(name, seed, c, d["evals"], d["rows"], d["summary"], d["extra"])
+    if not FAST and path.exists() and not retrain():
         d = json.loads(path.read_text())
         _log_run(key, False, d["summary"], stale=not provenance.is_current(d))
-        return Result(name, seed, c, d["evals"], d["rows"], d["summary"])
+        extra = d.get("extra", {})
+        return Result(name, seed, c, d["evals"], d["rows"], d["summary"], extra)
     callback, collect = None, dict
     if callback_factory is not None:
         callback, collect = callback_factory(train.build(c))
     h = train.run(c, progress=progress, callback=callback)
-    if use_cache:
+    extra = collect()
+    d = {**h.to_dict(), "extra": extra} if extra else h.to_dict()
+    if FAST:
+        _FAST_RUNS[key] = {**d, "extra": extra}
+    else:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        record = {**h.to_dict(), "code": provenance.code()}
+        record = {**d, "code": provenance.code()}
         tmp.write_text(json.dumps(record, separators=(",", ":")))
         tmp.replace(path)  # never a partial record
-    elif FAST and callback_factory is None:
-        _FAST_RUNS[key] = {"evals": h.evals, "rows": h.rows, "summary": h.summary}
     _log_run(key, True, h.summary)
-    return Result(name, seed, c, h.evals, h.rows, h.summary, collect())
+    return Result(name, seed, c, h.evals, h.rows, h.summary, extra)
 
 
 RUN_LOG = "SDILOCO_RUN_LOG"

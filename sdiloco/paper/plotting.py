@@ -183,11 +183,14 @@ def write_meta(
     return path
 
 
-def save_figure(fig, name: str, **meta: Any) -> pathlib.Path:
-    """Save `fig` as `<name>.png` (plus `<name>.json`, see `write_meta`)."""
+def save_figure(fig, name: str, *, label: str = "", **meta: Any) -> pathlib.Path:
+    """Save `fig` as `<name>.png` (plus `<name>.json`, see `write_meta`), with
+    `label` (e.g. the regime of its runs) printed under it."""
+    if label:
+        fig.text(0.5, 0.0, label, ha="center", va="top", fontsize=7, wrap=True)
     path = output_dir() / f"{name}.png"
     fig.savefig(path, bbox_inches="tight")
-    write_meta(name, **meta)
+    write_meta(name, **({"label": label} if label else {}), **meta)
     return path
 
 

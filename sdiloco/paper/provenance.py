@@ -93,9 +93,10 @@ def is_current(record: dict) -> bool:
     return record.get("code", {}).get("fingerprint") == fingerprint()
 
 
-OTHER_MACHINE_RTOL = 0.02
+OTHER_MACHINE_RTOL = 0.01
 """How far a record made on another machine type (another fingerprint) may differ
-when retrained here: the drift of two runs one ulp apart is of this order."""
+when retrained here: three times the largest drift measured between two runs one
+rounding apart (0.3 %, docs/decisions.md)."""
 
 
 def verify(records: pathlib.Path, k: int, seed: int = 0) -> list[dict[str, Any]]:

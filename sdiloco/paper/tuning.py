@@ -303,6 +303,83 @@ def save_tuned(
     return table
 
 
+def neighbours(axis: Axis, value: Any) -> tuple[Any, Any]:
+    """The values one grid step below and above `value` on `axis` (its `extend`
+    where it has one, e.g. half and twice a learning rate; else the adjacent grid
+    values, the edge value itself where there is none)."""
+    if axis.extend is not None:
+        return axis.extend(value, -1), axis.extend(value, 1)
+    grid = sorted(set(axis.values) | {value})
+    i = grid.index(value)
+    return grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)]
+
+
+SHARED_FIELDS: tuple[str, ...] = (
+    "inner.lr",
+    "data.global_batch_size",
+    "inner.warmup_fraction",
+)
+"""The axes every method has (the DiLoCo family's outer lr and momentum aside)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Sensitivity:
+    """What `sensitivity` measured for one method: the tuned point and each axis
+    moved alone, every value trained at the same seeds (so losses pair by seed).
+
+    Attributes:
+        tuned: axis field → its tuned value.
+        tuned_losses: the tuned config's final loss per seed.
+        moved: axis field → {moved value: final loss per seed}.
+    """
+
+    tuned: dict[str, Any]
+    tuned_losses: list[float]
+    moved: dict[str, dict[Any, list[float]]]
+
+    def curve(self, field: str) -> dict[Any, list[float]]:
+        """One axis's values in increasing order, the tuned one included."""
+        points = {self.tuned[field]: self.tuned_losses, **self.moved[field]}
+        return dict(sorted(points.items()))
+
+
+def sensitivity(
+    preset: str,
+    model: str,
+    *,
+    regime: Regime,
+    axes: Sequence[Axis],
+    seeds: Sequence[int] = (0, 1, 2),
+    metric: str = "eval/global",
+) -> Sensitivity:
+    """How much a method loses one grid step away from its tuned setting.
+
+    From the tuned config (`config.TUNED`, on the validation split at `regime`),
+    each axis is moved alone to its `neighbours` and trained at every seed. Values
+    the budget cannot train (e.g. a batch that leaves H < 2) are left out. Every run
+    is an ordinary recorded run (`experiments.run_one`): a sweep resumes.
+    """
+    best = regime.apply(make_preset(preset, model=model, data={"validation": True}))
+
+    def losses(config: RunConfig, name: str) -> list[float]:
+        return [experiments.run_one(name, config, s).final(metric) for s in seeds]
+
+    tuned = {a.field: get_field(best, a.field) for a in axes}
+    moved: dict[str, dict[Any, list[float]]] = {}
+    base = losses(best, "tuned")
+    for axis in axes:
+        moved[axis.field] = {}
+        for v in neighbours(axis, tuned[axis.field]):
+            if v == tuned[axis.field]:
+                continue
+            try:
+                config = regime.apply(set_field(best, axis.field, v))
+            except ValueError:  # the budget cannot train it
+                continue
+            moved[axis.field][v] = losses(config, f"{axis.field}={v}")
+    return Sensitivity(tuned, base, moved)
+
+
 def headline(
     model: str,
     *,
