@@ -20,10 +20,14 @@
 # constant (a larger global batch, hence fewer steps). Loss grows with M in both, and
 # Streaming DiLoCo tracks DiLoCo.
 #
-# **Here.** `tiny-s`, M ∈ {2, 4} (the caption's range; two CPU cores did not leave time for 8), H = 20, DiLoCo (float32) and Streaming DiLoCo with
-# overlapped FP4 communication, one seed, 327,680 training bytes in every run:
-# (a) 16 sequences per step over all replicas for 320 steps; (b) 8 sequences per
-# replica, so 320 / 160 steps for M = 2 / 4.
+# **Here.** `tiny-xs` at the one regime of the re-run notebooks (`experiments.setup`:
+# each method's tuned settings, 20 tokens per parameter, 50 outer rounds, every
+# held-out window scored), M ∈ {2, 4} (the caption's range; two CPU cores did not
+# leave time for 8), DiLoCo and Streaming DiLoCo with overlapped FP4, 3 seeds, the
+# same tokens in every run: (a) the tuned global batch split over the replicas;
+# (b) the tuned batch per pair of replicas kept, so M = 4 doubles the global batch
+# and halves the steps (and H, the rounds staying 50). Gaps are seed-paired against
+# M = 2.
 
 # %%
 import matplotlib.pyplot as plt
@@ -37,28 +41,28 @@ REPLICAS = (2, 4)
 METHODS = {"DiLoCo": "diloco", "Streaming FP4": "streaming_overlap_fp4"}
 if plotting.FAST:
     METHODS = {"Streaming FP4": "streaming_overlap_fp4"}
-MODES = {
-    "constant global batch": lambda m: (16, ex.STEPS),
-    "constant local batch": lambda m: (8 * m, ex.STEPS * 2 // m),
-}
+MODES = {"constant global batch": 1, "constant local batch": 2}
+"""How much the global batch grows from M = 2 to M = 4."""
 if plotting.FAST:
-    MODES = {"constant global batch": MODES["constant global batch"]}
-SEEDS = (0,)
-LABEL = ex.pretuning_label(SEEDS)
+    MODES = {"constant global batch": 1}
+SEEDS = ex.SEEDS
+
+
+def config(preset: str, m: int, growth: int):
+    tuned = ex.setup(preset).data.global_batch_size
+    changes = {} if m == 2 else {"method": {"num_replicas": m}}
+    if m > 2 and growth > 1:
+        changes["data"] = {"global_batch_size": tuned * growth}
+    return ex.setup(preset, **changes)
+
 
 # %%
-configs = {}
-for mode, shape in MODES.items():
-    for method, preset in METHODS.items():
-        for m in REPLICAS:
-            batch, steps = shape(m)
-            configs[f"{mode}|{method}|M={m}"] = ex.small_setup(
-                preset,
-                steps=steps,
-                sync_every=ex.paper_h(100),
-                method={"num_replicas": m},
-                data={"global_batch_size": batch},
-            )
+configs = {
+    f"{mode}|{method}|M={m}": config(preset, m, growth)
+    for mode, growth in MODES.items()
+    for method, preset in METHODS.items()
+    for m in REPLICAS
+}
 results = ex.run_all(configs, SEEDS)
 stats = ex.summarize(results)
 
@@ -66,6 +70,7 @@ stats = ex.summarize(results)
 rows = []
 for name, c in configs.items():
     mode, method, m = name.split("|")
+    base = f"{mode}|{method}|M={REPLICAS[0]}"
     rows.append(
         {
             "batch": mode,
@@ -73,14 +78,25 @@ for name, c in configs.items():
             "M": int(m[2:]),
             "global batch (sequences)": c.data.global_batch_size,
             "steps": c.steps,
-            "held-out loss (nats/byte)": round(stats[name]["mean"], 4),
+            "H": c.method.sync_every,
+            "held-out loss (nats/byte)": ex.mean_pm(stats[name], 4),
+            "vs M = 2": "—"
+            if name == base
+            else ex.gap_text(ex.finals(results, base), ex.finals(results, name)),
         }
     )
 plotting.save_table(
     rows,
     "fig12_num_replicas",
-    title="Fig. 12: scaling M at a constant token budget (tiny-s, H = 20)",
-    notes=LABEL,
+    title=(
+        f"Fig. 12: scaling M at a constant token budget ({ex.MODEL}, "
+        f"{ex.REGIME.tokens_per_param:g} tokens/param, {ex.REGIME.rounds} rounds, "
+        f"seeds {list(SEEDS)})"
+    ),
+    notes=(
+        "Held-out loss: mean ± std over seeds, every held-out window. vs M = 2: "
+        "seed-paired relative mean and 95 % t-interval of the differences in nats."
+    ),
     notebook=NOTEBOOK,
     config=configs,
     seeds=SEEDS,
@@ -92,10 +108,12 @@ fig, axes = plt.subplots(
 )
 for ax, mode in zip(axes[0], MODES):
     for (method, _), color in zip(METHODS.items(), ("tab:orange", "tab:red")):
-        ax.plot(
+        ax.errorbar(
             REPLICAS,
             [stats[f"{mode}|{method}|M={m}"]["mean"] for m in REPLICAS],
+            yerr=[stats[f"{mode}|{method}|M={m}"]["std"] for m in REPLICAS],
             marker="o",
+            capsize=3,
             color=color,
             label=method,
         )
@@ -105,12 +123,14 @@ for ax, mode in zip(axes[0], MODES):
     ax.set_title(f"({'ab'[list(MODES).index(mode)]}) {mode}")
     ax.legend()
 axes[0][0].set_ylabel("held-out loss (nats/byte)")
-fig.suptitle("Fig. 12: number of replicas at a constant token budget")
+fig.suptitle(
+    f"Fig. 12: number of replicas at a constant token budget ({ex.MODEL}; "
+    "bars: std over seeds)"
+)
 fig.tight_layout()
 plotting.save_figure(
     fig,
     "fig12_num_replicas",
-    label=LABEL,
     notebook=NOTEBOOK,
     config=configs,
     seeds=SEEDS,

@@ -261,3 +261,72 @@ def test_save_tuned_writes_each_axis_choice_and_keeps_other_entries(tmp_path):
         "data.global_batch_size": 32,
         "inner.warmup_fraction": 0.125,
     }
+
+
+def test_neighbours_are_one_grid_step_each_side():
+    lr = tuning.Axis("inner.lr", (1e-3, 2e-3), tuning.doubling)
+    assert tuning.neighbours(lr, 0.012) == (0.006, 0.024)
+    assert tuning.neighbours(tuning.WARMUP, 0.5) == (0.25, 0.75)
+    fixed = tuning.Axis("method.outer.momentum", (0.5, 0.8, 0.9, 0.95))
+    assert tuning.neighbours(fixed, 0.8) == (0.5, 0.9)
+    assert tuning.neighbours(fixed, 0.5) == (0.5, 0.8)  # an edge: itself below
+    assert tuning.neighbours(fixed, 0.85) == (0.8, 0.9)  # off the grid
+
+
+def test_sensitivity_moves_one_axis_at_a_time_and_pairs_by_seed(monkeypatch):
+    """A fake trainer: each run's loss is a closed form of its config and seed. Every
+    moved point differs from the tuned config in its own axis only, the tuned point
+    is trained once per seed, values the budget refuses are left out."""
+    trained = []
+
+    class Fake:
+        def __init__(self, value):
+            self.value = value
+
+        def final(self, metric="eval/global"):
+            return self.value
+
+    preset = config_lib.preset("data_parallel", model="tiny-xs")
+    lr0, batch0 = preset.inner.lr, preset.data.global_batch_size
+
+    def loss(lr, warmup, batch, seed):
+        return math.log2(lr / lr0) ** 2 + warmup + 0.1 * seed + batch / 1000
+
+    def run_one(name, config, seed):
+        trained.append((config, seed))
+        assert config.data.validation
+        c = config
+        return Fake(
+            loss(c.inner.lr, c.inner.warmup_fraction, c.data.global_batch_size, seed)
+        )
+
+    monkeypatch.setattr(tuning.experiments, "run_one", run_one)
+    regime = tuning.Regime(20.0, 50)
+    axes = [
+        tuning.Axis("inner.lr", (1e-3, 2e-3), tuning.doubling),
+        tuning.WARMUP,
+        tuning.Axis("data.global_batch_size", (16, 32), tuning.doubling),
+    ]
+    result = tuning.sensitivity(
+        "data_parallel", "tiny-xs", regime=regime, axes=axes, seeds=(0, 1)
+    )
+    w0 = regime.apply(preset).inner.warmup_fraction
+    tuned = result.tuned
+    assert tuned == {
+        "inner.lr": lr0,
+        "inner.warmup_fraction": w0,
+        "data.global_batch_size": batch0,
+    }
+    base = [loss(lr0, w0, batch0, s) for s in (0, 1)]
+    assert result.tuned_losses == pytest.approx(base)
+    assert result.moved["inner.lr"][2 * lr0] == pytest.approx([1 + b for b in base])
+    assert list(result.curve("inner.lr")) == [lr0 / 2, lr0, 2 * lr0]
+    assert sorted(result.moved["inner.warmup_fraction"]) == list(
+        tuning.neighbours(tuning.WARMUP, w0)
+    )
+    assert sorted(result.moved["data.global_batch_size"]) == [batch0 // 2, 2 * batch0]
+    # 1 tuned + 6 moved points, two seeds each; every moved run differs in one field.
+    assert len(trained) == 14
+    for config, _ in trained:
+        changed = [f for f, v in tuned.items() if tuning.get_field(config, f) != v]
+        assert len(changed) <= 1
