@@ -38,7 +38,7 @@ def test_notebook_runs_fast_and_writes_artifacts(path, tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=900,  # the longest FAST notebook, two sharing the 2 CPU cores
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     written = sorted((tmp_path / "figures").iterdir())
