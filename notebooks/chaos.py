@@ -96,11 +96,6 @@ def replay(cfg) -> dict:
     return chaos.wall_clock(trace, syncs(cfg), timing(cfg)) | chaos.summary(trace)
 
 
-def stats(values) -> dict:
-    v = np.asarray(values, np.float64)
-    return {"mean": v.mean(), "std": v.std(ddof=1) if v.size > 1 else 0.0, "n": v.size}
-
-
 def finals(method: str, rate: float) -> list[float]:
     return [by_name[names[method, rate, s]].final() for s in SEEDS]
 
@@ -123,7 +118,7 @@ def reached_text(times: list[float]) -> str:
     done = [t for t in times if np.isfinite(t)]
     if not done:
         return f"not reached (0/{len(times)})"
-    return f"{ex.mean_pm(stats(done), 0)} ({len(done)}/{len(times)})"
+    return f"{ex.mean_pm(ex.describe(done), 0)} ({len(done)}/{len(times)})"
 
 
 rows, curves = [], {m: {"loss": [], "goodput": [], "time": []} for m in METHODS}
@@ -145,14 +140,14 @@ for method in METHODS:
                 "method": method,
                 "failures/replica/run": rate,
                 "alive": f"{np.mean([t['alive'] for t in times]):.3f}",
-                "held-out loss": ex.mean_pm(stats(finals(method, rate)), 4),
+                "held-out loss": ex.mean_pm(ex.describe(finals(method, rate)), 4),
                 "vs no failures": "—"
                 if rate == 0
                 else ex.gap_text(finals(method, 0.0), finals(method, rate)),
                 "vs Data-Parallel": "—"
                 if method == "Data-Parallel"
                 else ex.gap_text(finals("Data-Parallel", rate), finals(method, rate)),
-                "goodput": ex.mean_pm(stats(goodput), 3),
+                "goodput": ex.mean_pm(ex.describe(goodput), 3),
                 "stall s/failure": round(
                     sum(t["stall_s"] for t in times) / failures, 1
                 ),
@@ -199,11 +194,7 @@ for method, color in zip(METHODS, ("tab:gray", "tab:blue", "tab:red")):
     for ax, key in zip(axes, ("loss", "goodput")):
         values = np.asarray(curves[method][key], np.float64)
         mean = values.mean(1)
-        half = (
-            4.303 * values.std(1, ddof=1) / np.sqrt(values.shape[1])
-            if values.shape[1] == 3
-            else np.zeros_like(mean)
-        )
+        half = [ex.t_half_width(row) for row in values]
         ax.errorbar(
             RATES, mean, yerr=half, marker="o", capsize=3, color=color, label=method
         )

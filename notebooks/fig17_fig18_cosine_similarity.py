@@ -67,9 +67,11 @@ plotting.save_table(
     rows,
     "fig17_fig18_cosine_similarity",
     title="Figs. 17-18: mean cosine similarity of the two replicas' outer gradients",
-    notes="Means over the sends in each third of training (block fragments), over all sends (embedding fragment), and per layer over all sends of its fragment."
-    + " "
-    + LABEL,
+    notes=(
+        "Means over the sends in each third of training (block fragments), over all "
+        "sends (embedding fragment), and per layer over all sends of its fragment. "
+        + LABEL
+    ),
     notebook=NOTEBOOK,
     config=configs,
     seeds=[0],

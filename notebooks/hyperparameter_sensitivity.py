@@ -67,11 +67,6 @@ sweeps = {
 
 
 # %%
-def stats(values) -> dict:
-    v = np.asarray(values, np.float64)
-    return {"mean": v.mean(), "std": v.std(ddof=1) if v.size > 1 else 0.0, "n": v.size}
-
-
 rows, increases = [], {}
 for name, sweep in sweeps.items():
     per_seed = []  # each moved point's relative increase, per seed
@@ -84,7 +79,7 @@ for name, sweep in sweeps.items():
                     "axis": LABELS[field],
                     "tuned": f"{sweep.tuned[field]:g}",
                     "moved to": f"{value:g}",
-                    "validation loss": ex.mean_pm(stats(losses), 4),
+                    "validation loss": ex.mean_pm(ex.describe(losses), 4),
                     "vs tuned": ex.gap_text(sweep.tuned_losses, losses),
                 }
             )
@@ -94,7 +89,7 @@ summary = []
 for name, inc in increases.items():
     row = {
         "method": name,
-        "tuned loss": ex.mean_pm(stats(sweeps[name].tuned_losses), 4),
+        "tuned loss": ex.mean_pm(ex.describe(sweeps[name].tuned_losses), 4),
         "points moved": sum(len(p) for p in sweeps[name].moved.values()),
         "mean increase, per seed": " / ".join(f"{100 * x:+.2f} %" for x in inc),
         "mean increase": f"{100 * inc.mean():+.2f} %",
@@ -157,11 +152,7 @@ for ax, field in zip(panels, FIELDS):
         base = np.asarray(sweep.tuned_losses)
         rel = np.asarray([np.asarray(curve[v]) / base - 1 for v in values])
         mean = 100 * rel.mean(1)
-        half = (
-            100 * 4.303 * rel.std(1, ddof=1) / np.sqrt(rel.shape[1])
-            if rel.shape[1] == 3
-            else np.zeros_like(mean)
-        )
+        half = [100 * ex.t_half_width(row) for row in rel]
         ax.errorbar(
             values,
             mean,

@@ -34,7 +34,6 @@
 import dataclasses
 
 import matplotlib.pyplot as plt
-import numpy as np
 
 from sdiloco.lab import config as config_lib, model as model_lib
 from sdiloco.paper import experiments as ex, plotting, tuning
@@ -474,14 +473,7 @@ for name, runs in one_set.items():
     one_set_rows.append(
         {
             "method": name,
-            "held-out loss": ex.mean_pm(
-                {
-                    "mean": sum(final) / len(final),
-                    "std": float(np.std(final, ddof=1)) if len(final) > 1 else 0.0,
-                    "n": len(final),
-                },
-                4,
-            ),
+            "held-out loss": ex.mean_pm(ex.describe(final), 4),
             "evaluation's standard error": f"{se:.4f}",
             "vs Data-Parallel": "—"
             if name == "Data-Parallel"

@@ -284,3 +284,18 @@ def test_a_run_with_a_callback_is_recorded_with_what_it_collected(
     assert again.extra == first.extra and again.evals == first.evals
     keys = sorted(p.stem for p in (tmp_path / "runs").glob("*.json"))
     assert keys == [f"{ex.record_key(ex.with_seed(config, 0))}-counting"]
+
+
+def test_describe_and_t_half_width_are_the_textbook_statistics():
+    values = [1.0, 2.0, 4.0]
+    d = ex.describe(values)
+    assert d == {
+        "mean": 7 / 3,
+        "std": pytest.approx(1.5275252),
+        "min": 1.0,
+        "max": 4.0,
+        "n": 3,
+    }
+    # t(0.975, 2 degrees of freedom) = 4.303: the half-width of a 95 % interval.
+    assert ex.t_half_width(values) == pytest.approx(4.303 * 1.5275252 / math.sqrt(3))
+    assert ex.t_half_width([2.5]) == 0.0 and ex.describe([2.5])["std"] == 0.0

@@ -76,6 +76,30 @@ def setup(
     return regime.apply(config.replace(**changes) if changes else config)
 
 
+_T95 = {2: 12.706, 3: 4.303, 4: 3.182, 5: 2.776, 6: 2.571, 7: 2.447, 8: 2.365}
+"""Student's t at 97.5 % by sample size (1.96 beyond)."""
+
+
+def t_half_width(values: Sequence[float] | np.ndarray) -> float:
+    """Half the width of the 95 % t-interval of the mean of `values` (0 for one)."""
+    v = np.asarray(values, np.float64)
+    if v.size < 2:
+        return 0.0
+    return float(_T95.get(v.size, 1.96) * v.std(ddof=1) / np.sqrt(v.size))
+
+
+def describe(values: Sequence[float]) -> dict[str, float]:
+    """Mean, std (ddof=1; 0 for one value), min, max and n (what `mean_pm` reads)."""
+    v = np.asarray(values, np.float64)
+    return {
+        "mean": float(v.mean()),
+        "std": float(v.std(ddof=1)) if v.size > 1 else 0.0,
+        "min": float(v.min()),
+        "max": float(v.max()),
+        "n": int(v.size),
+    }
+
+
 def paired_gap(base: Sequence[float], other: Sequence[float]) -> dict[str, float]:
     """Seed-paired `other − base`: mean, 95 % t-interval and the relative mean gap.
 
@@ -85,8 +109,7 @@ def paired_gap(base: Sequence[float], other: Sequence[float]) -> dict[str, float
     d = np.asarray(other, np.float64) - np.asarray(base, np.float64)
     if d.size < 2:
         raise ValueError(f"paired_gap needs >= 2 seed pairs; got {d.size}.")
-    t95 = {2: 12.706, 3: 4.303, 4: 3.182, 5: 2.776, 6: 2.571, 7: 2.447, 8: 2.365}
-    half = t95.get(d.size, 1.96) * d.std(ddof=1) / np.sqrt(d.size)
+    half = t_half_width(d)
     return {
         "mean": float(d.mean()),
         "low": float(d.mean() - half),
@@ -323,17 +346,7 @@ def summarize(
     by_name: dict[str, list[float]] = {}
     for r in results:
         by_name.setdefault(r.name, []).append(r.final(metric))
-    out = {}
-    for name, values in by_name.items():
-        v = np.asarray(values, np.float64)
-        out[name] = {
-            "mean": float(v.mean()),
-            "std": float(v.std(ddof=1)) if len(v) > 1 else 0.0,
-            "min": float(v.min()),
-            "max": float(v.max()),
-            "n": len(v),
-        }
-    return out
+    return {name: describe(values) for name, values in by_name.items()}
 
 
 def finals(
