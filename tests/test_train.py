@@ -174,12 +174,12 @@ def test_bad_config(changes, match):
 def _evaluate(cfg):
     """The run's evaluator applied to its initial global parameters."""
     from sdiloco.lab.cluster import Placement
-    from sdiloco.lab.train import _evaluator
+    from sdiloco.lab.train import evaluator
 
     r = build(cfg)
     place = Placement.of(cfg.method.num_replicas)
     state = r.algorithm.init(r.model)
-    return _evaluator(r, cfg, place)(state), r
+    return evaluator(r, cfg, place)(state), r
 
 
 def test_evaluation_set_is_the_same_for_every_method_and_batch():

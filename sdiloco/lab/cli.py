@@ -29,7 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = _parser().parse_args(argv)
         if args.command == "train":
-            return _train(args)
+            return _train(args) if args.board is None else _island(args)
+        if args.command == "coordinate":
+            return _coordinate(args)
     except _UsageError as e:
         return _fail(f"{e} (see --help)")
     return 0
@@ -85,6 +87,71 @@ def _train(args: argparse.Namespace) -> int:
     if cluster.is_primary():
         summary = {"evals": history.evals[-1:], "summary": history.summary}
         print(json.dumps(summary, indent=1))
+    return 0
+
+
+def _board(args: argparse.Namespace) -> Any:
+    from .elastic import BoardOptions  # light: the training loop is not imported
+
+    return BoardOptions(
+        args.board,
+        grace_s=args.grace,
+        timeout_s=args.board_timeout,
+        connect_timeout_s=args.init_timeout,
+    )
+
+
+def _island(args: argparse.Namespace) -> int:
+    """`train --board HOST:PORT --replica m`: one island of the elastic job."""
+    for flag in ("coordinator", "num_processes", "process_id", "devices_per_replica"):
+        if getattr(args, flag) is not None:
+            return _fail(f"--{flag.replace('_', '-')} with --board; allowed: one.")
+    if args.courier or args.fsdp or args.auto_distributed:
+        return _fail("--courier/--fsdp/--auto-distributed with --board; allowed: none.")
+    if args.replica is None:
+        return _fail("--board needs --replica (this island, 0 ... M - 1).")
+    try:
+        cfg = _config(args)
+        options = _board(args)
+        from .elastic import check_island
+
+        check_island(cfg, args.replica)
+    except ValueError as e:
+        return _fail(str(e))
+    from ..distributed.board import BoardError
+    from .elastic import island
+
+    try:
+        summary = island(cfg, args.replica, options, args.out)
+    except BoardError as e:
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 1
+    print(
+        json.dumps({"evaluation": summary["evaluation"], "healed": summary["healed"]})
+    )
+    return 0
+
+
+def _coordinate(args: argparse.Namespace) -> int:
+    """`coordinate --board HOST:PORT --replicas M`: the elastic job's coordinator."""
+    if args.board is None:
+        return _fail("coordinate needs --board HOST:PORT (where to serve).")
+    if args.replicas is None or args.replicas < 2:
+        return _fail(f"--replicas={args.replicas}; allowed: M >= 2 islands.")
+    try:
+        options = _board(args)
+    except ValueError as e:
+        return _fail(str(e))
+    from ..distributed.board import BoardError
+    from .elastic import run_coordinator
+
+    try:
+        decisions = run_coordinator(args.replicas, options, args.out)
+    except BoardError as e:
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 1
+    late = sum(d["timed_out"] for d in decisions)
+    print(json.dumps({"rounds": len(decisions), "decided_at_deadline": late}))
     return 0
 
 
@@ -192,7 +259,40 @@ def _parser() -> argparse.ArgumentParser:
     )
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_device_flags(t.add_argument_group("devices and processes"))
+    _add_board_flags(t.add_argument_group("elastic islands (one process each)"))
+    t.add_argument("--replica", type=int, help="with --board: this island, 0 .. M-1")
+    c = sub.add_parser(
+        "coordinate", help="the coordinator of an elastic job (holds no replica)"
+    )
+    c.add_argument("--replicas", type=int, help="M, the job's islands")
+    c.add_argument("--out", help="directory for coordinator.json (the decisions)")
+    c.add_argument(
+        "--init-timeout",
+        type=int,
+        default=300,
+        help="seconds to wait for every island to join (default 300)",
+    )
+    _add_board_flags(c)
     return parser
+
+
+def _add_board_flags(d: Any) -> None:
+    """The flags of the elastic job's board (the coordinator and every island)."""
+    d.add_argument(
+        "--board", help="HOST:PORT of the elastic job's coordinator (its board)"
+    )
+    d.add_argument(
+        "--grace",
+        type=float,
+        default=5.0,
+        help="seconds a round waits for a missing island (default 5)",
+    )
+    d.add_argument(
+        "--board-timeout",
+        type=float,
+        default=120.0,
+        help="seconds any wait on the board may last (default 120)",
+    )
 
 
 def _add_device_flags(d: Any) -> None:

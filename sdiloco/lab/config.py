@@ -254,7 +254,11 @@ def _make(name: str, method: MethodConfig, changes: dict[str, Any]) -> RunConfig
     changes = dict(changes)
     if isinstance(changes.get("method"), dict):
         method = replace_method(method, **changes.pop("method"))
-    config = RunConfig(name=changes.pop("name", name), method=method)
+    data = changes.pop("data", None)  # with the method, so both are checked together
+    data = fields.replace(DataConfig(), **data) if isinstance(data, dict) else data
+    config = RunConfig(
+        name=changes.pop("name", name), method=method, data=data or DataConfig()
+    )
     return config.replace(**changes)
 
 

@@ -221,17 +221,43 @@ def make_replica_iterators(
             f"{len(windows)} windows of seq_len={seq_len} are fewer than "
             f"global_batch_size={global_batch_size}."
         )
-    stream = grain.MapDataset.source(windows).seed(seed).shuffle().repeat(None)
-    per_replica = global_batch_size // num_replicas
     return [
         iter(
-            stream[m::num_replicas]
-            .map(_to_example)
-            .batch(per_replica, drop_remainder=True)
-            .to_iter_dataset(_READ)
+            replica_batches(
+                tokens,
+                num_replicas=num_replicas,
+                global_batch_size=global_batch_size,
+                seq_len=seq_len,
+                seed=seed,
+                replica=m,
+            ).to_iter_dataset(_READ)
         )
         for m in range(num_replicas)
     ]
+
+
+def replica_batches(
+    tokens: Integer[np.ndarray, " n"],
+    *,
+    num_replicas: int,
+    global_batch_size: int,
+    seq_len: int,
+    seed: int,
+    replica: int,
+) -> grain.MapDataset:
+    """Replica `replica`'s batches as a random-access grain dataset: `ds[t]` is the
+    batch of its step t + 1, the one `make_replica_iterators` gives it then.
+
+    A replica process that rejoins a running job reads its data position off the
+    step count with it. Same arguments as `make_replica_iterators` (checked there).
+    """
+    windows = TokenWindows(tokens, seq_len)
+    stream = grain.MapDataset.source(windows).seed(seed).shuffle().repeat(None)
+    return (
+        stream[replica::num_replicas]
+        .map(_to_example)
+        .batch(global_batch_size // num_replicas, drop_remainder=True)
+    )
 
 
 def evaluation_windows(

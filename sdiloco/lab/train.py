@@ -32,7 +32,7 @@ import numpy as np
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
-from ..base import Algorithm, replica_average, replica_params
+from ..base import Algorithm, Exchange, replica_average, replica_params
 from ..participation import Participation
 from ..sim import chaos
 from . import data as data_lib, model as model_lib
@@ -108,10 +108,17 @@ class Run:
         )
 
 
-def build(config: RunConfig, placement: Placement | None = None) -> Run:
+def build(
+    config: RunConfig,
+    placement: Placement | None = None,
+    *,
+    exchange: Exchange | None = None,
+) -> Run:
     """Model, data and algorithm of a config (nothing is trained).
 
-    With a `placement` on a mesh, a DiLoCo-family algorithm gets the sharded exchange.
+    With a `placement` on a mesh, a DiLoCo-family algorithm gets the sharded exchange;
+    an `exchange` given here (a replica island's `distributed.board_exchange`) is
+    used instead.
     """
     mc = model_lib.preset(config.model)
     model = model_lib.Transformer(mc, key=jr.PRNGKey(config.seed))
@@ -127,6 +134,8 @@ def build(config: RunConfig, placement: Placement | None = None) -> Run:
     extra = {}
     if placement is not None and config.method.kind != "data_parallel":
         extra = placement.exchange(getattr(config.method, "overlap", 0))
+    if exchange is not None:
+        extra = {"exchange": exchange}
     alg = config.method.build(
         model_lib.loss_with_aux, inner, model, has_aux=True, **extra
     )
@@ -239,7 +248,7 @@ class _Loop:
     def train(self, state: Any, start: int, last: int, callback: Any) -> Any:
         """Steps `start + 1 ... last` from `state`; returns the last state."""
         c, place = self.r.config, self.place
-        step_fn, evaluate = place.step(self.r.algorithm), _evaluator(self.r, c, place)
+        step_fn, evaluate = place.step(self.r.algorithm), evaluator(self.r, c, place)
         trace = _trace(c)
         self.log.start(start)
         for step in range(start + 1, last + 1):
@@ -437,7 +446,7 @@ EVAL_CHUNK = 256
 """Windows scored per call of the evaluation (a memory bound; not a sampling choice)."""
 
 
-def _evaluator(r: Run, c: RunConfig, place: Placement):
+def evaluator(r: Run, c: RunConfig, place: Placement):
     """`evaluate(state) -> {name: value}`, on this process's default device.
 
     Every evaluation scores the same windows (`data.evaluation_windows` with

@@ -1,0 +1,258 @@
+"""The elastic multi-process job: one process per replica island, one coordinator.
+
+`python -m sdiloco coordinate --board HOST:PORT --replicas M` starts the coordinator
+(it holds no replica: the board's service and the rounds' membership decisions,
+`distributed.board`); `python -m sdiloco train ... --board HOST:PORT --replica m`
+starts island m (the same training flags on every island). A SIGKILLed island
+stops nobody: the others are left waiting at most `grace_s` at the round it missed,
+then train on without it. The same command started again heals the island from a
+live peer and it rejoins at its next send.
+
+Each island trains the run's replica m: `num_replicas=1` in its own algorithm, its
+share of the global batch (`data.replica_batches`, indexed by the step count), and
+the exchange of `distributed.board_exchange`. At the end it scores θ_g on the
+held-out set, like `train.run`, and writes `out/island-<m>.json` (its summary) and
+`out/island-<m>.eqx` (θ_g, `eqx.tree_serialise_leaves`); `out/island-<m>.step` says
+how far it is. An island knows it was restarted by the key `joined/<m>` it left on
+the board the first time.
+"""
+
+import dataclasses
+import json
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..base import jit_step
+from ..distributed.board import (
+    Board,
+    BoardExchange,
+    coordinate,
+    request_heal,
+    serve_heals,
+)
+from ..inner import replicate
+from . import data as data_lib, train
+from .cluster import Placement
+from .config import RunConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class BoardOptions:
+    """Where the board is and how long anything waits on it.
+
+    Attributes:
+        address: `host:port` of the coordinator's service.
+        grace_s: how long a round waits, after its first message, for an expected
+            island (the failure detection of the job: a dead island stalls the
+            others this long, once).
+        timeout_s: the longest any island waits for a key (a decision, a message,
+            a heal) before it stops with `BoardError`.
+        heartbeat_s: the service's heartbeat timeout.
+        connect_timeout_s: how long the first start waits for every process.
+    """
+
+    address: str
+    grace_s: float = 5.0
+    timeout_s: float = 120.0
+    heartbeat_s: int = 10
+    connect_timeout_s: int = 300
+
+    def __post_init__(self):
+        host, _, port = self.address.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"board={self.address!r}; allowed: HOST:PORT.")
+        for name in ("grace_s", "timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)}; allowed: > 0.")
+        if self.timeout_s <= self.grace_s:
+            raise ValueError(
+                f"timeout_s={self.timeout_s} <= grace_s={self.grace_s}; allowed: a "
+                "timeout longer than the grace window."
+            )
+
+
+def check_island(config: RunConfig, replica: int) -> None:
+    """The run can be trained as elastic islands (before anything is built)."""
+    method, m = config.method, config.method.num_replicas
+    if method.kind == "data_parallel":
+        raise ValueError(
+            "method.kind='data_parallel' with --board; allowed: a DiLoCo-family "
+            "method (Data-Parallel's every step is a collective)."
+        )
+    if m < 2 or not 0 <= replica < m:
+        raise ValueError(
+            f"replica={replica} of method.num_replicas={m}; allowed: 0 ... M - 1 "
+            "with M >= 2."
+        )
+    if config.data.global_batch_size % m:
+        raise ValueError(
+            f"data.global_batch_size={config.data.global_batch_size}; allowed: a "
+            f"multiple of method.num_replicas={m}."
+        )
+    if config.failures is not None:
+        raise ValueError(
+            f"RunConfig.failures={config.failures!r} with --board; allowed: None "
+            "(the processes themselves fail)."
+        )
+
+
+def island(
+    config: RunConfig,
+    replica: int,
+    options: BoardOptions,
+    out_dir: str | os.PathLike | None = None,
+) -> dict[str, Any]:
+    """Train island `replica` of `config` on the board; returns its summary.
+
+    The summary: the final held-out evaluation of θ_g, whether it healed (and the
+    seconds and bytes that took), the steps it trained, each round it took part in
+    (seconds waited, members) and the bytes it served to heal peers.
+    """
+    check_island(config, replica)
+    c, m = config, config.method.num_replicas
+    started = time.perf_counter()
+    board = Board(
+        options.address,
+        replica + 1,
+        m + 1,
+        heartbeat_s=options.heartbeat_s,
+        connect_timeout_s=options.connect_timeout_s,
+    )
+    exchange = BoardExchange(board, replica, m, timeout_s=options.timeout_s)
+    local = c.replace(
+        method={"num_replicas": 1},
+        data={"global_batch_size": c.data.global_batch_size // m},
+    )
+    r = train.build(local, exchange=exchange)
+    batches = data_lib.replica_batches(
+        r.train_tokens,
+        num_replicas=m,
+        global_batch_size=c.data.global_batch_size,
+        seq_len=r.model_config.seq_len,
+        seed=c.data.seed,
+        replica=replica,
+    )
+    step = jit_step(r.algorithm)
+    state = r.init_state()
+    _ = step(
+        jax.tree.map(jnp.copy, state), _stack(batches[0])
+    )  # compile: sends nothing
+    healed: dict[str, float] = {}
+    if board.try_get(f"joined/{replica}") is not None:  # a restart: heal from a peer
+        asked = time.perf_counter()
+        state, size = request_heal(board, replica, state, options.timeout_s)
+        state = adopt_global(jax.device_put(state))
+        healed = {"seconds": time.perf_counter() - asked, "bytes": size}
+    board.put(f"joined/{replica}", b"1")
+    board.put(f"hello/{replica}", b"1")
+    first, joined = int(state.step), time.time()
+    served, losses = 0, []
+    for t in range(first + 1, c.steps + 1):
+        state, metrics = step(state, _stack(batches[t - 1]))
+        served += serve_heals(board, replica, state)
+        if t % c.log_every == 0 or t == c.steps:
+            losses.append((t, float(metrics["loss/train"])))
+            _write(out_dir, f"island-{replica}.step", str(t))
+    jax.block_until_ready(state)
+    trained = time.time() - joined
+    evaluation = train.evaluator(r, local, Placement.of(1))(state)
+    summary = {
+        "replica": replica,
+        "evaluation": evaluation,
+        "healed": healed,
+        "first_step": first,
+        "steps": c.steps,
+        "seconds": time.perf_counter() - started,
+        "joined_at": joined,
+        "trained_s": trained,
+        "served_bytes": served,
+        "losses": losses,
+        "rounds": [dataclasses.asdict(x) for x in exchange.rounds],
+        "global_digest": digest(state.global_params),
+    }
+    if out_dir is not None:
+        _write(out_dir, f"island-{replica}.json", json.dumps(summary, indent=1))
+        eqx.tree_serialise_leaves(
+            os.path.join(out_dir, f"island-{replica}.eqx"), state.global_params
+        )
+    board.put(f"done/{replica}", b"1")  # then the coordinator may stop the service
+    board.close()
+    return summary
+
+
+def adopt_global(state: Any) -> Any:
+    """An island's state after it healed: its parameters are θ_g (the inner state
+    and everything shared are the peer's), its error-feedback residual zero."""
+    g = eqx.filter(state.global_params, eqx.is_inexact_array)
+    replicas = eqx.combine(replicate(g, 1), state.replica_params)
+    residual = state.residual
+    if residual is not None:
+        residual = jax.tree.map(jnp.zeros_like, residual)
+    return state._replace(replica_params=replicas, residual=residual)
+
+
+def run_coordinator(
+    num_replicas: int,
+    options: BoardOptions,
+    out_dir: str | os.PathLike | None = None,
+    *,
+    stop: threading.Event | None = None,
+) -> list[dict[str, Any]]:
+    """Serve the board and decide the rounds until every live island is done (or
+    `stop` is set, or SIGTERM); writes `out/coordinator.json` with every decision."""
+    stop = threading.Event() if stop is None else stop
+    board = Board(
+        options.address,
+        0,
+        num_replicas + 1,
+        serve=True,
+        heartbeat_s=options.heartbeat_s,
+        connect_timeout_s=options.connect_timeout_s,
+    )
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        decisions = coordinate(
+            board,
+            num_replicas,
+            grace_s=options.grace_s,
+            start_s=options.timeout_s,
+            stop=stop.is_set,
+        )
+    finally:
+        board.close()
+    records = [dataclasses.asdict(d) for d in decisions]
+    if out_dir is not None:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "coordinator.json"), "w") as f:
+            json.dump(records, f, indent=1)
+    return records
+
+
+def digest(tree: Any) -> str:
+    """A short hash of a pytree's arrays (equal islands have equal θ_g)."""
+    import hashlib
+
+    h = hashlib.blake2b(digest_size=8)
+    for x in jax.tree.leaves(eqx.filter(tree, eqx.is_array)):
+        h.update(np.asarray(x).tobytes())
+    return h.hexdigest()
+
+
+def _write(out_dir: str | os.PathLike | None, name: str, text: str) -> None:
+    if out_dir is not None:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, name), "w") as f:
+            f.write(text)
+
+
+def _stack(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """One island's batch with the replica axis of size 1."""
+    return {k: v[None] for k, v in batch.items()}
