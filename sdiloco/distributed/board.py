@@ -134,10 +134,16 @@ class Board:
             ) from None
 
     def try_get(self, key: str) -> bytes | None:
+        """The value of `key`, or None if it is not on the board (now)."""
         try:
             return self._client.key_value_try_get_bytes(key)
-        except Exception:  # noqa: BLE001 - not found
-            return None
+        except Exception as e:  # noqa: BLE001 - the runtime raises its own types
+            if str(e).startswith("NOT_FOUND"):
+                return None
+            raise BoardError(
+                f"node {self.node}: get {key!r} failed, the board is unreachable "
+                f"({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+            ) from None
 
     def keys(self, prefix: str) -> list[str]:
         """Every key under the directory `prefix` (ending in `/`)."""
@@ -328,7 +334,7 @@ def coordinate(
     grace_s: float,
     stop: Callable[[], bool],
     start_s: float = 300.0,
-    poll_s: float = 0.002,
+    poll_s: float = 0.005,
     keep_s: float = 60.0,
 ) -> list[Decision]:
     """The coordinator's loop: decide every round's members, route heal requests.

@@ -21,6 +21,7 @@ import dataclasses
 import json
 import os
 import signal
+import sys
 import threading
 import time
 from typing import Any
@@ -141,16 +142,19 @@ def island(
         replica=replica,
     )
     step = jit_step(r.algorithm)
-    state = r.init_state()
-    _ = step(
-        jax.tree.map(jnp.copy, state), _stack(batches[0])
-    )  # compile: sends nothing
+    # Every state the step sees has been through the host, as a healed one has, and
+    # is committed to the device: the same types (no weak types), one compile.
+    state = _through_host(r.init_state())
+    warm = _through_host(state)
+    jax.block_until_ready(step(warm, _stack(batches[0])))  # compiles; sends nothing
+    _say(replica, f"compiled {time.perf_counter() - started:.1f} s after start")
     healed: dict[str, float] = {}
     if board.try_get(f"joined/{replica}") is not None:  # a restart: heal from a peer
         asked = time.perf_counter()
         state, size = request_heal(board, replica, state, options.timeout_s)
-        state = adopt_global(jax.device_put(state))
+        state = _through_host(adopt_global(state))
         healed = {"seconds": time.perf_counter() - asked, "bytes": size}
+        _say(replica, f"healed at step {int(state.step)} ({size} bytes)")
     board.put(f"joined/{replica}", b"1")
     board.put(f"hello/{replica}", b"1")
     first, joined = int(state.step), time.time()
@@ -244,6 +248,14 @@ def digest(tree: Any) -> str:
     for x in jax.tree.leaves(eqx.filter(tree, eqx.is_array)):
         h.update(np.asarray(x).tobytes())
     return h.hexdigest()
+
+
+def _through_host(tree: Any) -> Any:
+    return jax.device_put(jax.device_get(tree), jax.local_devices()[0])
+
+
+def _say(replica: int, text: str) -> None:
+    print(f"island {replica}: {text}", file=sys.stderr, flush=True)
 
 
 def _write(out_dir: str | os.PathLike | None, name: str, text: str) -> None:
