@@ -144,7 +144,9 @@ def test_islands_train_the_simulated_run(tmp_path):
 
 @pytest.mark.multiprocess
 def test_sigkill_an_island_the_others_go_on_and_it_heals(tmp_path):
-    steps, grace, kill_at = 480, 4.0, 60
+    # Long enough that the restarted island (start-up and compile: ~20 s on two
+    # busy cores) rejoins before the others finish (~50 steps/s).
+    steps, grace, kill_at = 2400, 4.0, 60
     coordinator, islands, board = _job(tmp_path, steps, grace=grace)
     restarted = None
     try:
