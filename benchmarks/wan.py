@@ -152,6 +152,11 @@ class Wan:
             self._shape(self.namespace(i), "eth0", delay=True)
             self._shape(bridge, f"{self._tag}b{i}", delay=False)
 
+    def set_link(self, i: int, *, up: bool) -> None:
+        """Take worker i's link down (every packet to or from it is lost, its
+        connections stay open) or bring it back up."""
+        self._ns(self.namespace(i), "ip", "link", "set", "eth0", "up" if up else "down")
+
     def __enter__(self) -> "Wan":
         ok, why = available()
         if not ok:

@@ -83,38 +83,54 @@ def data_parallel(
         batch: Batch,
         participation: Participation | None = None,
     ) -> tuple[DataParallelState, Metrics]:
-        """One Data-Parallel step: per-replica gradients, all-reduce mean, one update.
-
-        With a `participation`, the mean is over the replicas that compute (elastic
-        Data-Parallel); a step where none computes changes nothing but the step
-        counter. A returning replica needs no healing: the one copy is shared.
-        """
-        check_batch(batch, num_replicas)
-        params = state.global_params
-        (losses, aux), grads = eqx.filter_vmap(
-            grad_fn, in_axes=(None, eqx.if_array(0))
-        )(params, batch)
-        if participation is None:
-            grads = jax.tree.map(_mean, grads)
-            new_params, inner_state = _update(inner, params, state.inner_state, grads)
-        else:
-            participation_lib.check(participation, num_replicas)
-            computes = participation.computes
-            losses = jnp.where(computes, losses, 0.0)
-            grads = jax.tree.map(lambda g: _masked_mean(g, computes), grads)
-            new_params, inner_state = _update_if_any(
-                inner, params, state.inner_state, grads, jnp.any(computes)
-            )
-        metrics = _metrics(losses, aux, grads, float(bits_per_fragment(params)[0]))
-        if participation is not None:
-            count = jnp.maximum(jnp.sum(participation.computes), 1)
-            metrics["loss/train"] = jnp.sum(losses) / count
-        new_state = DataParallelState(
-            step=state.step + 1, global_params=new_params, inner_state=inner_state
+        bits = float(bits_per_fragment(state.global_params)[0])
+        return data_parallel_step(
+            inner, grad_fn, num_replicas, bits, state, batch, participation
         )
-        return new_state, metrics
 
+    step.__doc__ = data_parallel_step.__doc__
     return Algorithm(init, step, bits_per_fragment, num_replicas, None)
+
+
+def data_parallel_step(
+    inner: optax.GradientTransformation,
+    grad_fn: Callable[..., Any],
+    num_replicas: int,
+    bits: float,
+    state: DataParallelState,
+    batch: Batch,
+    participation: Participation | None = None,
+) -> tuple[DataParallelState, Metrics]:
+    """One Data-Parallel step: per-replica gradients, all-reduce mean, one update.
+
+    With a `participation`, the mean is over the replicas that compute (elastic
+    Data-Parallel); a step where none computes changes nothing but the step
+    counter. A returning replica needs no healing: the one copy is shared.
+    """
+    check_batch(batch, num_replicas)
+    params = state.global_params
+    (losses, aux), grads = eqx.filter_vmap(grad_fn, in_axes=(None, eqx.if_array(0)))(
+        params, batch
+    )
+    if participation is None:
+        grads = jax.tree.map(_mean, grads)
+        new_params, inner_state = _update(inner, params, state.inner_state, grads)
+    else:
+        participation_lib.check(participation, num_replicas)
+        computes = participation.computes
+        losses = jnp.where(computes, losses, 0.0)
+        grads = jax.tree.map(lambda g: _masked_mean(g, computes), grads)
+        new_params, inner_state = _update_if_any(
+            inner, params, state.inner_state, grads, jnp.any(computes)
+        )
+    metrics = _metrics(losses, aux, grads, bits)
+    if participation is not None:
+        count = jnp.maximum(jnp.sum(participation.computes), 1)
+        metrics["loss/train"] = jnp.sum(losses) / count
+    new_state = DataParallelState(
+        step=state.step + 1, global_params=new_params, inner_state=inner_state
+    )
+    return new_state, metrics
 
 
 def _update(inner: optax.GradientTransformation, params, inner_state, grads):

@@ -37,6 +37,7 @@ This differs from the paper in:
    (docs/contract.md §5).
 """
 
+import functools as ft
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, cast
 
@@ -238,26 +239,14 @@ def streaming_diloco(
             value and what is allowed.
     """
     outer = optax.sgd(0.4, momentum=0.9, nesterov=True) if outer is None else outer
-    compressor = _check_options(alpha, nonfinite, compressor, error_feedback, fragments)
-    if heal not in HEAL_POLICIES:
-        raise ValueError(f"heal={heal!r}; allowed: {HEAL_POLICIES}.")
-    if weighting not in WEIGHTINGS:
-        raise ValueError(f"weighting={weighting!r}; allowed: {WEIGHTINGS}.")
-    if weighting == "tokens" and error_feedback:
-        raise ValueError(
-            "weighting='tokens' with error_feedback=True; allowed: one of the two "
-            "(the residual of a reweighted Δ is not the replica's own)."
-        )
+    compressor = _check_options(
+        alpha, nonfinite, compressor, error_feedback, fragments, heal, weighting
+    )
     num_fragments = 1 if fragments is None else fragments.num_fragments
     schedule = make_schedule(
         sync_every, num_fragments, num_replicas, overlap, first_send
     )
-    if isinstance(exchange, PostedExchange) and schedule.min_overlap < 1:
-        raise ValueError(
-            f"overlap (tau)={schedule.overlap} with a posted exchange; allowed: every "
-            "tau >= 1 (with tau = 0 the outer step is in the step that sends, so "
-            "there is no step to move the messages behind)."
-        )
+    _check_exchange(exchange, schedule)
     spec = StreamingSpec(
         loss_fn=loss_fn,
         inner=inner,
@@ -285,10 +274,7 @@ def streaming_diloco(
     ) -> tuple[StreamingState, Metrics]:
         return streaming_step(spec, state, batch, participation)
 
-    def bits_per_fragment(params: Params) -> np.ndarray:
-        arrays = eqx.filter(params, eqx.is_inexact_array)
-        return communication.bits_per_fragment(compressor, spec.fragments_of(arrays))
-
+    bits_per_fragment = ft.partial(_bits_per_fragment, spec)
     init.__doc__ = streaming_init.__doc__
     step.__doc__ = streaming_step.__doc__
     return Algorithm(init, step, bits_per_fragment, num_replicas, spec)
@@ -589,17 +575,7 @@ def send(
     def one(v: Visit, inputs, carry):
         g_leaves, r_leaves, key = inputs
         slots, ok, residual, outbox = carry
-        deltas = _outer_gradients(spec, v, g_leaves, r_leaves)
-        if residual is not None:  # error feedback: what the last sends left out
-            deltas = [d + e for d, e in zip(deltas, v.gather(residual, 1))]
-        if sends is not None:  # nothing of a replica that does not send
-            deltas = [where_replicas(sends, d, jnp.zeros_like(d)) for d in deltas]
-        if weights is not None:  # each Δ_m × M·w_m / Σw: the mean is then weighted
-            w = weights[:, v.p]
-            deltas = [
-                d * w.reshape((-1,) + (1,) * (d.ndim - 1)).astype(d.dtype)
-                for d in deltas
-            ]
+        deltas = _deltas_sent(spec, v, g_leaves, r_leaves, residual, sends, weights)
         frags, key = v.group.piece_fragments(), jr.fold_in(key, v.p)
         if isinstance(spec.exchange, PostedExchange):
             messages, own = spec.exchange.encode(spec.compressor, frags, deltas, key)
@@ -774,8 +750,19 @@ def inflight_outer_gradients(spec: StreamingSpec, state: StreamingState) -> Para
     return jax.tree.unflatten(treedef, out)
 
 
-def _check_options(alpha, nonfinite, compressor, error_feedback, fragments):
+def _check_options(
+    alpha, nonfinite, compressor, error_feedback, fragments, heal, weighting
+):
     """Validate `streaming_diloco`'s options; returns the compressor (a name built)."""
+    if heal not in HEAL_POLICIES:
+        raise ValueError(f"heal={heal!r}; allowed: {HEAL_POLICIES}.")
+    if weighting not in WEIGHTINGS:
+        raise ValueError(f"weighting={weighting!r}; allowed: {WEIGHTINGS}.")
+    if weighting == "tokens" and error_feedback:
+        raise ValueError(
+            "weighting='tokens' with error_feedback=True; allowed: one of the two "
+            "(the residual of a reweighted Δ is not the replica's own)."
+        )
     if not 0 <= alpha <= 1:
         raise ValueError(f"alpha={alpha!r}; must be in [0, 1].")
     if nonfinite not in NONFINITE_POLICIES:
@@ -792,6 +779,46 @@ def _check_options(alpha, nonfinite, compressor, error_feedback, fragments):
     if fragments is not None and not isinstance(fragments, Fragments):
         raise ValueError(f"fragments={fragments!r} is not a Fragments.")
     return compressor
+
+
+def _deltas_sent(
+    spec: StreamingSpec,
+    v: Visit,
+    g_leaves: list[Array],
+    r_leaves: list[Array],
+    residual: list[Array] | None,
+    sends: Bool[Array, " M"] | None,
+    weights: Array | None,
+) -> list[Array]:
+    """What each replica sends of fragment `v` (before compression): its Δ, plus its
+    error-feedback residual, zero for a replica not sending, scaled by its token
+    weight `M·w_m / Σw` (so that the exchange's mean is the weighted mean)."""
+    deltas = _outer_gradients(spec, v, g_leaves, r_leaves)
+    if residual is not None:  # error feedback: what the last sends left out
+        deltas = [d + e for d, e in zip(deltas, v.gather(residual, 1))]
+    if sends is not None:  # nothing of a replica that does not send
+        deltas = [where_replicas(sends, d, jnp.zeros_like(d)) for d in deltas]
+    if weights is not None:
+        w = weights[:, v.p]
+        deltas = [
+            d * w.reshape((-1,) + (1,) * (d.ndim - 1)).astype(d.dtype) for d in deltas
+        ]
+    return deltas
+
+
+def _check_exchange(exchange: Exchange | PostedExchange, schedule: Schedule) -> None:
+    if isinstance(exchange, PostedExchange) and schedule.min_overlap < 1:
+        raise ValueError(
+            f"overlap (tau)={schedule.overlap} with a posted exchange; allowed: every "
+            "tau >= 1 (with tau = 0 the outer step is in the step that sends, so "
+            "there is no step to move the messages behind)."
+        )
+
+
+def _bits_per_fragment(spec: StreamingSpec, params: Params) -> np.ndarray:
+    """Exact bits one replica puts on the wire per fragment (`Algorithm`)."""
+    arrays = eqx.filter(params, eqx.is_inexact_array)
+    return communication.bits_per_fragment(spec.compressor, spec.fragments_of(arrays))
 
 
 def _outer_gradients(

@@ -7,9 +7,17 @@ One concept per module:
 - `exchange`: `sharded_exchange`, the per-replica exchange hook of `streaming_diloco`;
 - `courier`: the exchange overlapped with the next τ inner steps (`posted_exchange`,
   `Courier`, `courier_meshes`);
-- `hlo`: reading a compiled program's collectives and the bytes on the wire.
+- `hlo`: reading a compiled program's collectives and the bytes on the wire;
+- `board`: replica islands that fail and rejoin (`Board`, `board_exchange`,
+  `coordinate`, healing from a live peer), the exchange of the elastic job.
 """
 
+from .board import (
+    Board as Board,
+    BoardError as BoardError,
+    board_exchange as board_exchange,
+    coordinate as coordinate,
+)
 from .courier import (
     Courier as Courier,
     CourierError as CourierError,

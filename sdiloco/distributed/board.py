@@ -92,7 +92,9 @@ class Board:
         heartbeat_s: int = 10,
         connect_timeout_s: int = 300,
     ):
-        from jax._src.lib import _jax  # the runtime behind jax.distributed
+        # The service and client behind jax.distributed; JAX has no public handle
+        # to its key-value store (jax.distributed keeps its own in a global).
+        from jax._src.lib import _jax  # pyright: ignore[reportPrivateImportUsage]
 
         if not 0 <= node < num_nodes:
             raise ValueError(f"node={node}; allowed: 0 ... {num_nodes - 1}.")

@@ -261,6 +261,12 @@ def _parser() -> argparse.ArgumentParser:
     _add_device_flags(t.add_argument_group("devices and processes"))
     _add_board_flags(t.add_argument_group("elastic islands (one process each)"))
     t.add_argument("--replica", type=int, help="with --board: this island, 0 .. M-1")
+    _add_coordinate(sub)
+    return parser
+
+
+def _add_coordinate(sub: Any) -> None:
+    """The `coordinate` command: the elastic job's coordinator."""
     c = sub.add_parser(
         "coordinate", help="the coordinator of an elastic job (holds no replica)"
     )
@@ -273,7 +279,6 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds to wait for every island to join (default 300)",
     )
     _add_board_flags(c)
-    return parser
 
 
 def _add_board_flags(d: Any) -> None:

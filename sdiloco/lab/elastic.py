@@ -128,19 +128,7 @@ def island(
         connect_timeout_s=options.connect_timeout_s,
     )
     exchange = BoardExchange(board, replica, m, timeout_s=options.timeout_s)
-    local = c.replace(
-        method={"num_replicas": 1},
-        data={"global_batch_size": c.data.global_batch_size // m},
-    )
-    r = train.build(local, exchange=exchange)
-    batches = data_lib.replica_batches(
-        r.train_tokens,
-        num_replicas=m,
-        global_batch_size=c.data.global_batch_size,
-        seq_len=r.model_config.seq_len,
-        seed=c.data.seed,
-        replica=replica,
-    )
+    r, local, batches = _program(c, replica, exchange)
     step = jit_step(r.algorithm)
     # Every state the step sees has been through the host, as a healed one has, and
     # is committed to the device: the same types (no weak types), one compile.
@@ -148,13 +136,7 @@ def island(
     warm = _through_host(state)
     jax.block_until_ready(step(warm, _stack(batches[0])))  # compiles; sends nothing
     _say(replica, f"compiled {time.perf_counter() - started:.1f} s after start")
-    healed: dict[str, float] = {}
-    if board.try_get(f"joined/{replica}") is not None:  # a restart: heal from a peer
-        asked = time.perf_counter()
-        state, size = request_heal(board, replica, state, options.timeout_s)
-        state = _through_host(adopt_global(state))
-        healed = {"seconds": time.perf_counter() - asked, "bytes": size}
-        _say(replica, f"healed at step {int(state.step)} ({size} bytes)")
+    state, healed = _heal_if_restarted(board, replica, state, options.timeout_s)
     board.put(f"joined/{replica}", b"1")
     board.put(f"hello/{replica}", b"1")
     first, joined = int(state.step), time.time()
@@ -182,14 +164,51 @@ def island(
         "rounds": [dataclasses.asdict(x) for x in exchange.rounds],
         "global_digest": digest(state.global_params),
     }
+    _finish(board, replica, out_dir, summary, state.global_params)
+    return summary
+
+
+def _finish(board, replica, out_dir, summary, theta_g) -> None:
+    """Write the island's summary and θ_g, then say it is done and leave."""
     if out_dir is not None:
         _write(out_dir, f"island-{replica}.json", json.dumps(summary, indent=1))
         eqx.tree_serialise_leaves(
-            os.path.join(out_dir, f"island-{replica}.eqx"), state.global_params
+            os.path.join(out_dir, f"island-{replica}.eqx"), theta_g
         )
     board.put(f"done/{replica}", b"1")  # then the coordinator may stop the service
     board.close()
-    return summary
+
+
+def _program(config: RunConfig, replica: int, exchange: BoardExchange):
+    """The island's run (one replica, its share of the batch) and its batches."""
+    m = config.method.num_replicas
+    local = config.replace(
+        method={"num_replicas": 1},
+        data={"global_batch_size": config.data.global_batch_size // m},
+    )
+    r = train.build(local, exchange=exchange)
+    batches = data_lib.replica_batches(
+        r.train_tokens,
+        num_replicas=m,
+        global_batch_size=config.data.global_batch_size,
+        seq_len=r.model_config.seq_len,
+        seed=config.data.seed,
+        replica=replica,
+    )
+    return r, local, batches
+
+
+def _heal_if_restarted(board: Board, replica: int, state: Any, timeout_s: float):
+    """A peer's state with θ_g as parameters if this island ran before (it left
+    `joined/<m>` on the board), else `state`; and what healing took."""
+    if board.try_get(f"joined/{replica}") is None:
+        return state, {}
+    asked = time.perf_counter()
+    state, size = request_heal(board, replica, state, timeout_s)
+    state = _through_host(adopt_global(state))
+    healed = {"seconds": time.perf_counter() - asked, "bytes": size}
+    _say(replica, f"healed at step {int(state.step)} ({size} bytes)")
+    return state, healed
 
 
 def adopt_global(state: Any) -> Any:
@@ -265,6 +284,6 @@ def _write(out_dir: str | os.PathLike | None, name: str, text: str) -> None:
             f.write(text)
 
 
-def _stack(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def _stack(batch: Any) -> dict[str, np.ndarray]:
     """One island's batch with the replica axis of size 1."""
     return {k: v[None] for k, v in batch.items()}

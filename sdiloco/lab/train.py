@@ -199,8 +199,8 @@ def run(
     if c.failures is not None and (courier or place.mesh is not None):
         raise ValueError(
             f"RunConfig.failures={c.failures!r} on a mesh or with a courier; allowed: "
-            "failures only in the one-device simulation (the elastic multi-process "
-            "job is not built yet)."
+            "failures only in the one-device simulation (real processes fail in an "
+            "elastic job: python -m sdiloco coordinate / train --board)."
         )
     r = build(config, place)
     history = History(config)

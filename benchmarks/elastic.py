@@ -1,0 +1,244 @@
+"""What a failure costs an elastic job: a SIGKILLed island, and a cut link.
+
+    python -m benchmarks.elastic [--seeds 3] [--steps 2400] [--link-cut]
+
+Jobs of `python -m sdiloco coordinate` and three `python -m sdiloco train ... --board
+--replica m` islands (Streaming DiLoCo with overlapped FP4, tiny-xxs, H = 6, M = 3,
+a grace window of 4 s), per seed:
+
+- **uninterrupted**: the three islands train to the end;
+- **killed**: island 1 is SIGKILLed when it reaches step 60 and the same command is
+  started again at once; it heals from a live peer and rejoins;
+- **link cut** (`--link-cut`, root: the islands run in the namespaces of
+  `benchmarks.wan`): island 1's link is taken down for 7 s at step 60 and brought
+  back: longer than the grace window (it is left out of the rounds it misses),
+  shorter than the board's heartbeat timeout (10 s, so its process survives).
+
+Measured: the survivors' longest wait for a round (the stall per failure), the
+rounds decided at the grace deadline, the returning island's time from its restart
+to its first round as a member (against a whole job's time from start to its first
+step, a lower bound of a restart from a checkpoint), the heal's seconds and bytes,
+the final held-out loss of θ_g, and the seed-paired difference killed −
+uninterrupted with its 95 % t-interval. Writes `benchmarks/measured/elastic.json`.
+Every process is bounded in time; the namespaces are always removed.
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from ._common import machine
+
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+M, GRACE, KILL_AT, CUT_S = 3, 4.0, 60, 7.0
+FLAGS = [
+    "--preset=streaming_overlap_fp4",
+    "--model=tiny-xxs",
+    f"--replicas={M}",
+    "--sync-every=6",
+    "--batch-size=6",
+    "--eval-windows=1024",
+    "--no-progress",
+]
+
+
+class Job:
+    """A coordinator and M islands started as a user would (see the module)."""
+
+    def __init__(
+        self,
+        out: pathlib.Path,
+        steps: int,
+        seed: int,
+        host: str,
+        port: int,
+        popen: Callable[[int, Sequence[str]], subprocess.Popen] | None = None,
+    ):
+        self.out, self.steps, self.seed = out, steps, seed
+        self.board = [
+            f"--board={host}:{port}",
+            f"--grace={GRACE}",
+            "--init-timeout=300",
+        ]
+        self._popen = popen or (lambda node, argv: _local(argv))
+        self.started = time.time()
+        self.coordinator = self._popen(
+            0, ["coordinate", f"--replicas={M}", *self.board, f"--out={out}"]
+        )
+        self.islands = [self.island(m) for m in range(M)]
+        self.extra: list[subprocess.Popen] = []
+
+    def island(self, m: int) -> subprocess.Popen:
+        argv = ["train", *FLAGS, f"--steps={self.steps}", f"--seed={self.seed}"]
+        return self._popen(
+            m + 1, [*argv, f"--replica={m}", *self.board, f"--out={self.out}"]
+        )
+
+    def step(self, m: int) -> int:
+        try:
+            return int((self.out / f"island-{m}.step").read_text() or 0)
+        except (FileNotFoundError, ValueError):
+            return 0
+
+    def wait_for_step(self, m: int, step: int, timeout: float = 600) -> None:
+        deadline = time.monotonic() + timeout
+        while self.step(m) < step:
+            if time.monotonic() > deadline or self.islands[m].poll() is not None:
+                raise RuntimeError(f"island {m} did not reach step {step}")
+            time.sleep(0.02)
+
+    def finish(self, timeout: float = 900) -> None:
+        deadline = time.monotonic() + timeout
+        procs = [*self.islands, *self.extra, self.coordinator]
+        try:
+            for p in procs:
+                if p.returncode == -signal.SIGKILL:  # killed and reaped already
+                    continue
+                out, _ = p.communicate(timeout=max(1, deadline - time.monotonic()))
+                if p.returncode != 0:
+                    raise RuntimeError(f"a process failed:\n{out[-3000:]}")
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.communicate()
+
+
+def measure(job: Job, restart_at: float | None) -> dict:
+    """The job's figures from what its processes wrote."""
+    decisions = json.loads((job.out / "coordinator.json").read_text())
+    islands = [json.loads((job.out / f"island-{m}.json").read_text()) for m in range(M)]
+    out = {
+        "loss": islands[0]["evaluation"]["eval/global"],
+        "loss_se": islands[0]["evaluation"]["eval_se/global"],
+        "equal_theta": len({s["global_digest"] for s in islands}) == 1,
+        "rounds": len(decisions),
+        "rounds_at_deadline": sum(d["timed_out"] for d in decisions),
+        "rounds_without_1": sum(1 not in d["members"] for d in decisions),
+        "start_to_first_step_s": min(s["joined_at"] for s in islands) - job.started,
+        "survivor_longest_wait_s": max(
+            r["waited_s"] for m in (0, 2) for r in islands[m]["rounds"]
+        ),
+        "survivor_median_wait_s": float(
+            np.median([r["waited_s"] for m in (0, 2) for r in islands[m]["rounds"]])
+        ),
+        "served_bytes": sum(s["served_bytes"] for s in islands),
+    }
+    if restart_at is not None:
+        back = [r["posted"] for r in islands[1]["rounds"] if 1 in r["members"]]
+        out |= {
+            "restart_to_joined_s": islands[1]["joined_at"] - restart_at,
+            "restart_to_first_round_s": back[0] - restart_at,
+            "heal_s": islands[1]["healed"]["seconds"],
+            "heal_bytes": islands[1]["healed"]["bytes"],
+            "healed_at_step": islands[1]["first_step"],
+        }
+    return out
+
+
+def run_case(case: str, out: pathlib.Path, steps: int, seed: int, port: int) -> dict:
+    if case == "link_cut":
+        return _link_cut(out, steps, seed, port)
+    job = Job(out, steps, seed, "127.0.0.1", port)
+    restart_at = None
+    if case == "killed":
+        job.wait_for_step(1, KILL_AT)
+        job.islands[1].send_signal(signal.SIGKILL)
+        job.islands[1].communicate()
+        restart_at = time.time()
+        job.extra.append(job.island(1))
+    job.finish()
+    return measure(job, restart_at)
+
+
+def _link_cut(out: pathlib.Path, steps: int, seed: int, port: int) -> dict:
+    from .wan import Wan
+
+    with Wan(M + 1) as wan:
+        env = _env()
+
+        def popen(node: int, argv: Sequence[str]) -> subprocess.Popen:
+            command = [sys.executable, "-m", "sdiloco", *argv]
+            return wan.popen(node, command, env=env, cwd=ROOT, **_captured())
+
+        job = Job(out, steps, seed, wan.ip(0), port, popen)
+        job.wait_for_step(1, KILL_AT)
+        wan.set_link(2, up=False)  # island 1 is node 2
+        time.sleep(CUT_S)
+        wan.set_link(2, up=True)
+        job.finish()
+    return measure(job, None)
+
+
+def _local(argv: Sequence[str]) -> subprocess.Popen:
+    command = [sys.executable, "-m", "sdiloco", *argv]
+    return subprocess.Popen(command, env=_env(), cwd=ROOT, **_captured())
+
+
+def _env() -> dict:
+    return dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+
+
+def _captured() -> dict:
+    return dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def summarize(results: dict) -> dict:
+    """Seed-paired killed − uninterrupted final losses, with a 95 % t-interval."""
+    from sdiloco.paper.experiments import paired_gap
+
+    out = {}
+    for case in ("killed", "link_cut"):
+        pairs = [
+            (r["uninterrupted"]["loss"], r[case]["loss"])
+            for r in results.values()
+            if case in r and "uninterrupted" in r
+        ]
+        if len(pairs) >= 2:
+            base, other = zip(*pairs)
+            out[f"{case}_minus_uninterrupted"] = paired_gap(base, other)
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=2400)
+    parser.add_argument("--link-cut", action="store_true")
+    parser.add_argument(
+        "--out", default=str(ROOT / "benchmarks" / "measured" / "elastic.json")
+    )
+    args = parser.parse_args(argv)
+    path = pathlib.Path(args.out)
+    record = json.loads(path.read_text()) if path.exists() else {}
+    if record.get("steps") != args.steps:
+        record = {"steps": args.steps, "results": {}}
+    record |= {"machine": machine(), "grace_s": GRACE, "kill_at": KILL_AT}
+    cases = ["uninterrupted", "killed"] + (["link_cut"] if args.link_cut else [])
+    port = 25400
+    for seed in range(args.seeds):
+        done = record["results"].setdefault(str(seed), {})
+        for case in cases:
+            if case in done:  # resumable: recorded cases are skipped
+                continue
+            port += 1
+            scratch = pathlib.Path(f"/tmp/sdiloco-elastic-{os.getpid()}-{case}-{seed}")
+            done[case] = run_case(case, scratch, args.steps, seed, port)
+            print(json.dumps({"seed": seed, "case": case, **done[case]}), flush=True)
+            record["summary"] = summarize(record["results"])
+            path.write_text(json.dumps(record, indent=1))
+    print(json.dumps(record["summary"], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
