@@ -63,8 +63,9 @@ class Exchange(Protocol):
     piece), it returns the average over replicas of what the receivers reconstruct
     (one `[...]` array per piece, in float32 or wider) and each replica's own
     reconstruction `[M, ...]` (what error feedback subtracts).
-    `communication.simulated_exchange` (every replica on one device) and
-    `distributed.sharded_exchange(mesh)` (a packed all-gather) are the two here.
+    `communication.simulated_exchange` (every replica on one device),
+    `distributed.sharded_exchange(mesh)` (a packed all-gather) and
+    `distributed.board_exchange` (islands of an elastic job) are the ones here.
     """
 
     def __call__(
