@@ -284,7 +284,9 @@ def board_exchange(
 # ---------------------------------------------------------------------- healing
 
 
-def request_heal(board: Board, replica: int, template: Any, timeout_s: float) -> Any:
+def request_heal(
+    board: Board, replica: int, template: Any, timeout_s: float
+) -> tuple[Any, int]:
     """A live peer's state, for a replica that comes back (see the module).
 
     Posts the request, waits (at most `timeout_s`) for the state a peer serialised,
@@ -341,8 +343,9 @@ def coordinate(
 ) -> list[Decision]:
     """The coordinator's loop: decide every round's members, route heal requests.
 
-    Runs until every island it expects has posted `done/<m>`, or `stop()` is true. A round's members are the replicas whose message has
-    arrived when every expected replica has, or `grace_s` after the first message.
+    Runs until every island it expects has posted `done/<m>`, or `stop()` is true.
+    A round's members are the replicas whose message has arrived when every
+    expected replica has, or `grace_s` after the first message.
     Expected: every replica at the start; one that misses a deadline is not waited
     for until its message arrives again (late, or after it healed and said hello).
     No round is decided before every island has said hello (it has compiled its
@@ -395,7 +398,12 @@ def coordinate(
 
 
 def _route_heals(board: Board, live: set[int]) -> None:
-    """Each request for a state goes to the lowest live replica but the asker."""
+    """Each request for a state goes to the lowest live replica but the asker.
+
+    "Live" is the coordinator's expected set: an island that died and has not yet
+    missed a deadline counts as live, so two islands restarted at once may be routed
+    to each other; the asker's wait then ends in `BoardError` and it is started
+    again."""
     for key in board.keys("heal/want/"):
         asker = int(key.rsplit("/", 1)[1])
         nonce = board.try_get(key)
