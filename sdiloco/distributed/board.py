@@ -132,7 +132,7 @@ class Board:
         except Exception as e:  # noqa: BLE001
             raise BoardError(
                 f"node {self.node}: {key!r} not on the board within {timeout_s:g} s "
-                f"({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+                f"({_cause(e)})"
             ) from None
 
     def try_get(self, key: str) -> bytes | None:
@@ -142,10 +142,7 @@ class Board:
         except Exception as e:  # noqa: BLE001 - the runtime raises its own types
             if str(e).startswith("NOT_FOUND"):
                 return None
-            raise BoardError(
-                f"node {self.node}: get {key!r} failed, the board is unreachable "
-                f"({type(e).__name__}: {str(e).splitlines()[0][:200]})"
-            ) from None
+            raise self._unreachable("get", key, e) from None
 
     def keys(self, prefix: str) -> list[str]:
         """Every key under the directory `prefix` (ending in `/`)."""
@@ -160,10 +157,13 @@ class Board:
         try:
             return fn(*args)
         except Exception as e:  # noqa: BLE001 - the runtime raises its own types
-            raise BoardError(
-                f"node {self.node}: {what} {key!r} failed, the board is unreachable "
-                f"({type(e).__name__}: {str(e).splitlines()[0][:200]})"
-            ) from None
+            raise self._unreachable(what, key, e) from None
+
+    def _unreachable(self, what: str, key: str, e: Exception) -> BoardError:
+        return BoardError(
+            f"node {self.node}: {what} {key!r} failed, the board is unreachable "
+            f"({_cause(e)})"
+        )
 
     def close(self) -> None:
         """Leave the board (the coordinator also stops the service, after the
@@ -420,6 +420,11 @@ def _arrivals(board: Board) -> dict[str, set[int]]:
         _, name, m = key.split("/")
         out.setdefault(name, set()).add(int(m))
     return out
+
+
+def _cause(e: Exception) -> str:
+    """The runtime's error in one short line."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
 
 
 def _bytes(members: tuple[int, ...]) -> bytes:

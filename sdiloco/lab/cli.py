@@ -124,8 +124,7 @@ def _island(args: argparse.Namespace) -> int:
     try:
         summary = island(cfg, args.replica, options, args.out)
     except BoardError as e:
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 1
+        return _fail(str(e), status=1)
     print(
         json.dumps({"evaluation": summary["evaluation"], "healed": summary["healed"]})
     )
@@ -148,8 +147,7 @@ def _coordinate(args: argparse.Namespace) -> int:
     try:
         decisions = run_coordinator(args.replicas, options, args.out)
     except BoardError as e:
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 1
+        return _fail(str(e), status=1)
     late = sum(d["timed_out"] for d in decisions)
     print(json.dumps({"rounds": len(decisions), "decided_at_deadline": late}))
     return 0
@@ -347,9 +345,10 @@ class _Parser(argparse.ArgumentParser):
         raise _UsageError(message)
 
 
-def _fail(message: str) -> int:
+def _fail(message: str, status: int = USAGE_ERROR) -> int:
+    """Print `error: <message>` as one line on stderr; returns `status`."""
     print(f"error: {' '.join(message.split())}", file=sys.stderr)
-    return USAGE_ERROR
+    return status
 
 
 def _given(**options):

@@ -18,6 +18,7 @@ the board the first time.
 """
 
 import dataclasses
+import hashlib
 import json
 import os
 import signal
@@ -261,8 +262,6 @@ def run_coordinator(
 
 def digest(tree: Any) -> str:
     """A short hash of a pytree's arrays (equal islands have equal θ_g)."""
-    import hashlib
-
     h = hashlib.blake2b(digest_size=8)
     for x in jax.tree.leaves(eqx.filter(tree, eqx.is_array)):
         h.update(np.asarray(x).tobytes())
