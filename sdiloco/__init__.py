@@ -5,7 +5,8 @@ fragments (`fragments.py`), the sync schedule (`schedule.py`), outer-gradient
 compressors (`compression/`), the algorithm (`streaming.py`, on the interfaces of
 `base.py`) and its Data-Parallel
 baseline (`data_parallel.py`); who takes part in a step, for elastic training
-(`participation.py`).
+(`participation.py`); the step compiled once (`jit.py`); diagnostics of a state
+(`analysis.py`).
 """
 
 from .analysis import outer_gradient_cosine as outer_gradient_cosine
@@ -15,7 +16,6 @@ from .base import (
     Exchange as Exchange,
     PostedExchange as PostedExchange,
     global_params as global_params,
-    jit_step as jit_step,
     per_replica_bytes as per_replica_bytes,
     replica_average as replica_average,
     replica_fields as replica_fields,
@@ -43,6 +43,7 @@ from .fragments import (
     fragments_from_masks as fragments_from_masks,
     single_fragment as single_fragment,
 )
+from .jit import jit_step as jit_step
 from .participation import (
     Participation as Participation,
     everyone as everyone,

@@ -1,4 +1,5 @@
-"""Diagnostics of a run's state: how similar the replicas' outer gradients are.
+"""Diagnostics of a run's state: how similar the replicas' outer gradients are, and
+what is in flight.
 
 Streaming DiLoCo's Figs. 17-18 plot the cosine similarity between the replicas' outer
 gradients Δ_m = θ_g − θ_m over training, per fragment and per layer. `outer_gradient_cosine`
@@ -9,7 +10,12 @@ then the non-block parameters).
 Read after a step that sent fragment p with τ >= 1, the state holds exactly the Δ_m
 that was sent (the merge and outer step come τ steps later); with τ = 0 they have already
 been applied, so read the state before the sending step instead.
+
+`inflight_outer_gradients` reads the averaged outer gradients waiting in the in-flight
+slots of a `StreamingState` back into the parameters' structure.
 """
+
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -17,6 +23,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from .fragments import Fragments
+from .inflight import Visit
+from .streaming import StreamingSpec, StreamingState
 
 
 @eqx.filter_jit
@@ -52,3 +60,32 @@ def outer_gradient_cosine(state, fragments: Fragments) -> Float[Array, " P"]:
     cos = jnp.where(denom > 0, gram / jnp.where(denom > 0, denom, 1.0), 0.0)
     off = 1.0 - jnp.eye(m, dtype=jnp.float32)
     return jnp.sum(cos * off[None], axis=(1, 2)) / (m * (m - 1))
+
+
+def inflight_outer_gradients(spec: StreamingSpec, state: StreamingState) -> Any:
+    """The in-flight buffer, read out: Δ̄ of every fragment in flight at `state.step`.
+
+    A fragment is in flight from its send until its outer step (`t < sent_at +
+    τ_min`). Returns the parameters' structure (inexact arrays) holding each in-flight
+    fragment's averaged outer gradient on its elements, zeros elsewhere, in the wide
+    dtype.
+
+    Raises:
+        ValueError: with a posted exchange, where Δ̄ exists only once it has arrived.
+    """
+    if spec.posted:
+        raise ValueError(
+            "inflight_outer_gradients with a posted exchange: the averaged outer "
+            "gradient is decoded at its arrival, so nothing in flight can be read."
+        )
+    arrays = eqx.filter(state.global_params, eqx.is_inexact_array)
+    leaves, treedef = jax.tree.flatten(arrays)
+    layout = spec.layout(arrays)
+    in_flight = jnp.asarray(spec.schedule.in_flight(state.step, state.sent_at))
+
+    def one(v: Visit, inflight, out):
+        return v.scatter(out, layout.read(inflight, v.group, v.p))
+
+    out = [jnp.zeros(x.shape, state.inflight.dtype) for x in leaves]
+    out = layout.for_each(in_flight, one, out, state.inflight)
+    return jax.tree.unflatten(treedef, out)

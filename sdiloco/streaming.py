@@ -721,35 +721,6 @@ def merge_arrivals(
     return state._replace(replica_params=replicas), merging
 
 
-def inflight_outer_gradients(spec: StreamingSpec, state: StreamingState) -> Params:
-    """The in-flight buffer, read out: Δ̄ of every fragment in flight at `state.step`.
-
-    A fragment is in flight from its send until its outer step (`t < sent_at +
-    τ_min`). Returns the parameters' structure (inexact arrays) holding each in-flight
-    fragment's averaged outer gradient on its elements, zeros elsewhere, in the wide
-    dtype.
-
-    Raises:
-        ValueError: with a posted exchange, where Δ̄ exists only once it has arrived.
-    """
-    if spec.posted:
-        raise ValueError(
-            "inflight_outer_gradients with a posted exchange: the averaged outer "
-            "gradient is decoded at its arrival, so nothing in flight can be read."
-        )
-    arrays = eqx.filter(state.global_params, eqx.is_inexact_array)
-    leaves, treedef = jax.tree.flatten(arrays)
-    layout = spec.layout(arrays)
-    in_flight = jnp.asarray(spec.schedule.in_flight(state.step, state.sent_at))
-
-    def one(v: Visit, inflight, out):
-        return v.scatter(out, layout.read(inflight, v.group, v.p))
-
-    out = [jnp.zeros(x.shape, state.inflight.dtype) for x in leaves]
-    out = layout.for_each(in_flight, one, out, state.inflight)
-    return jax.tree.unflatten(treedef, out)
-
-
 def _check_options(
     alpha, nonfinite, compressor, error_feedback, fragments, heal, weighting
 ):

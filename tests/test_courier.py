@@ -26,7 +26,7 @@ from helpers import (
 )
 
 import sdiloco
-from sdiloco import distributed, streaming
+from sdiloco import analysis, distributed
 from sdiloco.lab import config as config_lib, train
 from sdiloco.lab.checkpoint import Checkpointer
 
@@ -169,7 +169,7 @@ def test_bad_input():
     with pytest.raises(ValueError, match="no device left to compute"):
         distributed.courier_meshes(M, jax.devices()[:1])
     with pytest.raises(ValueError, match="posted exchange"):
-        streaming.inflight_outer_gradients(alg.spec, alg.init(params))
+        analysis.inflight_outer_gradients(alg.spec, alg.init(params))
     with pytest.raises(ValueError, match="metrics"):
         distributed.sharded_step(alg.step, distributed.replica_mesh(M), metrics="x")
 

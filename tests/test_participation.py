@@ -236,7 +236,7 @@ def test_token_weighting_is_the_mean_weighted_by_the_steps_each_replica_took():
     in-flight Δ̄ of fragment 0 is Σ w_m (θ_g − θ_m) / Σ w_m, w_m the inner steps
     replica m took in steps 1-4; with everyone at every step it equals the uniform
     mean bitwise."""
-    from sdiloco.streaming import inflight_outer_gradients
+    from sdiloco.analysis import inflight_outer_gradients
 
     batches = _batches(3)
     computes = [

@@ -13,13 +13,13 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import sdiloco
-from sdiloco.base import JittedStep
+from sdiloco.analysis import inflight_outer_gradients
 from sdiloco.communication import simulated_exchange
 from sdiloco.inflight import Visit, make_layout
+from sdiloco.jit import JittedStep
 from sdiloco.schedule import make_schedule
 from sdiloco.streaming import (
     StreamingSpec,
-    inflight_outer_gradients,
     merge_arrivals,
     outer_update,
     send,

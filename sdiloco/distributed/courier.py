@@ -60,9 +60,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, PRNGKeyArray
 
 from .. import communication
-from ..base import Algorithm, JittedStep, PostedExchange
+from ..base import Algorithm, PostedExchange
 from ..compression import Compressor
 from ..fragments import Fragments
+from ..jit import JittedStep
 from ..streaming import StreamingSpec, local_phase, sync_phase
 from .exchange import assemble, replica_keys
 from .mesh import AXIS, replica_mesh, sharded_step

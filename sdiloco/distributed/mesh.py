@@ -49,8 +49,9 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array
 
-from ..base import AlgorithmState, JittedStep
+from ..base import AlgorithmState
 from ..custom_types import Batch
+from ..jit import JittedStep
 from ..streaming import LocalResult
 
 

@@ -38,7 +38,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .. import distributed
-from ..base import jit_step
+from ..jit import jit_step
 from ..streaming import StreamingSpec
 from . import data as data_lib
 

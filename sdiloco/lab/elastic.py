@@ -32,7 +32,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..base import jit_step
 from ..distributed.board import (
     Board,
     BoardExchange,
@@ -41,6 +40,7 @@ from ..distributed.board import (
     serve_heals,
 )
 from ..inner import replicate
+from ..jit import jit_step
 from . import data as data_lib, train
 from .cluster import Placement
 from .config import RunConfig
