@@ -42,6 +42,9 @@ from ._common import machine
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 M, GRACE, KILL_AT, CUT_S = 3, 4.0, 60, 6.0
+EXCHANGE = "posted"
+"""The islands' exchange (τ = 1: `BoardPosted` moved by a `Courier`); a record made
+with another is started again."""
 FLAGS = [
     "--preset=streaming_overlap_fp4",
     "--model=tiny-xxs",
@@ -72,6 +75,7 @@ class Job:
             "--init-timeout=300",
         ]
         self._popen = popen or (lambda node, argv: _local(argv))
+        self.cache_warm = CACHE.exists() and any(CACHE.iterdir())
         self.started = time.time()
         self.coordinator = self._popen(
             0, ["coordinate", f"--replicas={M}", *self.board, f"--out={out}"]
@@ -127,6 +131,8 @@ def measure(job: Job, restart_at: float | None) -> dict:
         "rounds_at_deadline": sum(d["timed_out"] for d in decisions),
         "rounds_without_1": sum(1 not in d["members"] for d in decisions),
         "start_to_first_step_s": min(s["joined_at"] for s in islands) - job.started,
+        "cache_warm_at_start": job.cache_warm,
+        "ready_s": [s["ready_s"] for s in islands],
         "survivor_longest_wait_s": max(
             r["waited_s"] for m in (0, 2) for r in islands[m]["rounds"]
         ),
@@ -196,8 +202,19 @@ def _local(argv: Sequence[str]) -> subprocess.Popen:
     return subprocess.Popen(command, env=_env(), cwd=ROOT, **_captured())
 
 
+CACHE = pathlib.Path("/tmp/sdiloco-elastic-xla")
+"""The islands' compilation cache: filled by the first job, read by every later
+process (a restarted island, and the later jobs: a whole-job restart would read it
+too)."""
+
+
 def _env() -> dict:
-    return dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    return dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=str(ROOT),
+        SDILOCO_JAX_CACHE=str(CACHE),
+    )
 
 
 def _captured() -> dict:
@@ -232,8 +249,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     path = pathlib.Path(args.out)
     record = json.loads(path.read_text()) if path.exists() else {}
-    if record.get("steps") != args.steps:
-        record = {"steps": args.steps, "results": {}}
+    if record.get("steps") != args.steps or record.get("exchange") != EXCHANGE:
+        record = {"steps": args.steps, "exchange": EXCHANGE, "results": {}}
     record |= {"machine": machine(), "grace_s": GRACE, "kill_at": KILL_AT}
     cases = ["uninterrupted", "killed"] + (["link_cut"] if args.link_cut else [])
     port = 25400

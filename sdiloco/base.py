@@ -121,6 +121,11 @@ class PostedExchange(Protocol):
         """The mean over replicas of the reconstructions of all M `messages`."""
         ...
 
+    def inbox_rows(self, num_replicas: int) -> int:
+        """Messages the inbox holds per fragment: M, or more when the step's M
+        replicas are one island of a larger job (`distributed.board`)."""
+        ...
+
 
 SpecT = TypeVar("SpecT")
 

@@ -86,6 +86,7 @@ class StreamingState(NamedTuple):
     # Posted exchange only (None otherwise), K in-flight slots of B bytes:
     outbox: Array | None = None  # [M, K, B] uint8, each replica's packed messages
     inbox: Array | None = None  # [K, M, B] uint8, every replica's, once delivered
+    # (an island of an elastic job: every island's, `PostedExchange.inbox_rows`)
 
     replica_fields = ("replica_params", "inner_state", "residual", "outbox")
     """The fields whose leaves carry the leading replica axis M."""
@@ -355,7 +356,8 @@ def streaming_init(
     if spec.posted:
         size = int(max(spec.message_bytes(arrays)))
         outbox = jnp.zeros((spec.num_replicas, layout.num_slots, size), jnp.uint8)
-        inbox = jnp.zeros((layout.num_slots, spec.num_replicas, size), jnp.uint8)
+        rows = cast(PostedExchange, spec.exchange).inbox_rows(spec.num_replicas)
+        inbox = jnp.zeros((layout.num_slots, rows, size), jnp.uint8)
     return StreamingState(
         step=jnp.zeros((), jnp.int32),
         global_params=global_params,

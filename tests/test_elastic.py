@@ -48,10 +48,12 @@ def standard_promotion():
         yield
 
 
-def _popen(argv):
+def _popen(argv, out):
+    # The job's own compilation cache: a restarted island loads its step from it.
+    env = dict(cpu_env(1, ROOT), SDILOCO_JAX_CACHE=str(out / "xla"))
     return subprocess.Popen(
         [sys.executable, "-m", "sdiloco", *argv],
-        env=cpu_env(1, ROOT),
+        env=env,
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -78,13 +80,14 @@ def _island(m, out, steps, board, extra=()):
             f"--replica={m}",
             *board,
             f"--out={out}",
-        ]
+        ],
+        out,
     )
 
 
 def _job(out, steps, *, grace, timeout=120, extra=()):
     board = _board(free_port(), grace, timeout)
-    coordinator = _popen(["coordinate", f"--replicas={M}", *board, f"--out={out}"])
+    coordinator = _popen(["coordinate", f"--replicas={M}", *board, f"--out={out}"], out)
     islands = [_island(m, out, steps, board, extra) for m in range(M)]
     return coordinator, islands, board
 

@@ -221,11 +221,7 @@ class BoardExchange:
         deltas: list[Array],
         key: PRNGKeyArray,
     ) -> tuple[list[Array], list[Array]]:
-        if deltas[0].shape[0] != 1:
-            raise ValueError(
-                f"a board exchange carries one replica per island; got "
-                f"{deltas[0].shape[0]} (build the island with num_replicas=1)."
-            )
+        _check_island(deltas)
         m, count = self.replica, self.num_replicas
         keys = [k[m : m + 1] for k in replica_keys(key, len(deltas), count)]
         wire = Wire(compressor, fragments, deltas, keys, 0)
@@ -238,40 +234,164 @@ class BoardExchange:
             self._round, shapes, message, _key_data(key), ordered=False
         )
         recon = assemble([wire], fragments, [jax.vmap(wire.decode)(messages)])
-        recon = [
-            participation.where_replicas(present, r, jnp.zeros_like(r)) for r in recon
-        ]
-        mean = communication.average(recon)
-        mean = participation.over_senders(mean, jnp.sum(present), count)
+        mean = _mean_over_members(recon, present, count)
         own = assemble([wire], fragments, [jax.vmap(wire.decode)(message[None])])
         return mean, own
 
     def _round(self, message: np.ndarray, key_data: np.ndarray):
         """Post this replica's message, wait for the members, read theirs."""
-        board, m = self.board, self.replica
         name = hashlib.blake2b(
             np.asarray(key_data).tobytes(), digest_size=8
         ).hexdigest()
-        start, posted = time.perf_counter(), time.time()
-        own = np.asarray(message, np.uint8)
+        out, members = board_round(
+            self.board,
+            self.replica,
+            self.num_replicas,
+            name,
+            message,
+            timeout_s=self.timeout_s,
+            log=self.rounds,
+        )
+        present = np.zeros(self.num_replicas, bool)
+        present[list(members)] = True
+        return out, present
+
+
+def board_round(
+    board: Board,
+    replica: int,
+    num_replicas: int,
+    name: str,
+    message: np.ndarray,
+    *,
+    timeout_s: float,
+    log: list[RoundLog],
+    post: bool = True,
+) -> tuple[np.ndarray, tuple[int, ...]]:
+    """One round on the board: post `message` (unless `post` is False), wait for the
+    coordinator's members, read theirs. Returns every replica's message `[M, B]`
+    (zeros for those not members) and the members."""
+    m, start, posted = replica, time.perf_counter(), time.time()
+    own = np.asarray(message, np.uint8)
+    if post:
         board.put(f"msg/{name}/{m}", own.tobytes())
         board.put(f"arrived/{name}/{m}", b"1")
-        members = _ints(board.get(f"members/{name}", self.timeout_s))
-        out = np.zeros((self.num_replicas,) + own.shape, np.uint8)
-        present = np.zeros(self.num_replicas, bool)
-        received = 0
-        for j in members:
-            if j == m:
-                out[j] = own
-            else:
-                out[j] = np.frombuffer(
-                    board.get(f"msg/{name}/{j}", self.timeout_s), np.uint8
-                )
-                received += own.size
-            present[j] = True
-        waited = time.perf_counter() - start
-        self.rounds.append(RoundLog(name, posted, waited, tuple(members), received))
-        return out, present
+    members = tuple(_ints(board.get(f"members/{name}", timeout_s)))
+    out = np.zeros((num_replicas,) + own.shape, np.uint8)
+    received = 0
+    for j in members:
+        if j == m and post:
+            out[j] = own
+        else:
+            out[j] = np.frombuffer(board.get(f"msg/{name}/{j}", timeout_s), np.uint8)
+            received += own.size
+    log.append(RoundLog(name, posted, time.perf_counter() - start, members, received))
+    return out, members
+
+
+class BoardPosted:
+    """The posted form of `board_exchange` (a `PostedExchange`), for τ >= 1.
+
+    The island's step only encodes its message (with one more byte, 1, that marks
+    it present); a `Courier` with a `BoardTransport` moves the round while the next
+    τ steps compute and delivers every member's message into the inbox (`[K, M, B]`,
+    M the islands: `inbox_rows`); the step of the outer update decodes them and
+    averages over the members, as `board_exchange` does within the sending step.
+    The same bytes and the same mean, so the same numbers. Without host callbacks
+    in its programs, the island's step can be kept by JAX's persistent compilation
+    cache, so a restarted island loads it instead of compiling it.
+    """
+
+    def __init__(self, replica: int, num_replicas: int):
+        if not 0 <= replica < num_replicas:
+            raise ValueError(
+                f"replica={replica}; allowed: 0 ... num_replicas - 1 = "
+                f"{num_replicas - 1}."
+            )
+        self.replica, self.num_replicas = replica, num_replicas
+
+    def __repr__(self) -> str:
+        return f"board_posted(replica={self.replica}, M={self.num_replicas})"
+
+    def _wire(self, compressor, fragments, deltas, key):
+        m, count = self.replica, self.num_replicas
+        keys = [k[m : m + 1] for k in replica_keys(key, len(deltas), count)]
+        return Wire(compressor, fragments, deltas, keys, 0), keys
+
+    def message_bytes(self, compressor, fragments, deltas, key) -> int:
+        def size(deltas, key):
+            wire, keys = self._wire(compressor, fragments, deltas, key)
+            return wire.encode([x[0] for x in deltas], [k[0] for k in keys])
+
+        return int(jax.eval_shape(size, deltas, key).shape[0]) + 1
+
+    def encode(self, compressor, fragments, deltas, key):
+        _check_island(deltas)
+        wire, keys = self._wire(compressor, fragments, deltas, key)
+        messages = jax.vmap(wire.encode)(deltas, keys)  # [1, b]
+        own = assemble([wire], fragments, [jax.vmap(wire.decode)(messages)])
+        present = jnp.ones((1, 1), jnp.uint8)
+        return jnp.concatenate([messages, present], axis=1), own
+
+    def decode_mean(self, compressor, fragments, messages, deltas, key):
+        wire, _ = self._wire(compressor, fragments, deltas, key)
+        present = messages[:, -1] == 1
+        recon = assemble([wire], fragments, [jax.vmap(wire.decode)(messages[:, :-1])])
+        return _mean_over_members(recon, present, self.num_replicas)
+
+    def inbox_rows(self, num_replicas: int) -> int:
+        return self.num_replicas
+
+
+class BoardTransport:
+    """A `Courier`'s transport for an island: each posted fragment is one round on
+    the board (`board_round`), named by the step that sent it and the fragment.
+
+    `quiet_until`: rounds sent at or before this step are only read, not posted (a
+    healed island's in-flight fragments are its peer's messages, not its own).
+    """
+
+    def __init__(
+        self, board: Board, replica: int, num_replicas: int, *, timeout_s: float
+    ):
+        self.board, self.replica, self.num_replicas = board, replica, num_replicas
+        self.timeout_s = timeout_s
+        self.quiet_until = 0
+        self.rounds: list[RoundLog] = []
+
+    def __repr__(self) -> str:
+        return f"the board's islands (replica {self.replica} of {self.num_replicas})"
+
+    def __call__(self, messages: np.ndarray, fragment: int, sent: int) -> np.ndarray:
+        out, _ = board_round(
+            self.board,
+            self.replica,
+            self.num_replicas,
+            f"{sent}-{fragment}",
+            messages[0],
+            timeout_s=self.timeout_s,
+            log=self.rounds,
+            post=sent > self.quiet_until,
+        )
+        return out
+
+
+def _check_island(deltas: list[Array]) -> None:
+    if deltas[0].shape[0] != 1:
+        raise ValueError(
+            f"a board exchange carries one replica per island; got "
+            f"{deltas[0].shape[0]} (build the island with num_replicas=1)."
+        )
+
+
+def _mean_over_members(
+    recon: list[Array], present: Array, num_replicas: int
+) -> list[Array]:
+    """The mean of the members' reconstructions: absent ones as zeros, the mean
+    rescaled to the members (`participation.over_senders`), as the simulation."""
+    recon = [participation.where_replicas(present, r, jnp.zeros_like(r)) for r in recon]
+    mean = communication.average(recon)
+    return participation.over_senders(mean, jnp.sum(present), num_replicas)
 
 
 def board_exchange(

@@ -48,7 +48,7 @@ import contextlib
 import functools
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import equinox as eqx
@@ -130,6 +130,9 @@ class _Posted:
         wire, _ = self._wire(compressor, fragments, deltas, key)
         recon = assemble([wire], fragments, [jax.vmap(wire.decode)(messages)])
         return communication.average(recon)
+
+    def inbox_rows(self, num_replicas: int) -> int:
+        return num_replicas
 
 
 def posted_exchange(mesh: Mesh | None = None) -> PostedExchange:
@@ -263,6 +266,11 @@ class Courier:
             with a mesh.
         fsdp: as `sharded_step`.
         timeout: seconds a step waits for a message before it raises.
+        transport: without a mesh, what moves the messages instead of a collective:
+            `transport(messages, fragment, sent)` gets this program's messages of a
+            fragment (NumPy `[M, B]` uint8) and returns every sender's (`[R, B]`,
+            R = the exchange's `inbox_rows`), on the courier's thread
+            (`distributed.board.BoardTransport`, the islands of an elastic job).
     """
 
     def __init__(
@@ -273,6 +281,7 @@ class Courier:
         *,
         fsdp: bool = False,
         timeout: float = 600.0,
+        transport: Callable[[np.ndarray, int, int], np.ndarray] | None = None,
     ):
         spec = algorithm.spec
         if not isinstance(spec, StreamingSpec) or not spec.posted:
@@ -286,7 +295,13 @@ class Courier:
                 f"{comm_mesh is not None and 'given'}; allowed: both (courier_meshes) "
                 "or neither (the simulation)."
             )
+        if transport is not None and mesh is not None:
+            raise ValueError(
+                "transport= with a mesh; allowed: one of the two (a mesh moves the "
+                "messages with an all-gather)."
+            )
         self.spec, self.mesh, self.comm_mesh = spec, mesh, comm_mesh
+        self.transport = transport
         self.timeout = timeout
         self.events: list[dict[str, Any]] = []
         self.lock = threading.Lock()
@@ -297,10 +312,11 @@ class Courier:
         self.programs = _programs(spec, mesh, fsdp, donate=True)
         self._keeping = _programs(spec, mesh, fsdp, donate=False)[0]
         self._pool = None
-        if comm_mesh is not None:
+        if comm_mesh is not None or transport is not None:
             self._pool = concurrent.futures.ThreadPoolExecutor(
                 1, thread_name_prefix="sdiloco-courier"
             )
+        if comm_mesh is not None:
             whole = NamedSharding(comm_mesh, PartitionSpec())
             self._gather = jax.jit(lambda x: x, out_shardings=whole)
 
@@ -332,6 +348,24 @@ class Courier:
         self._post(new, t)
         self._t, self._last = t, new
         return new, metrics
+
+    def warm_up(self, state: Any, batch: Any) -> None:
+        """Compile every program a step may run, on a throwaway `state` (consumed;
+        nothing is posted): both halves, the first half that keeps its input (a step
+        whose messages are on the way), and, without a mesh, the copies out of the
+        outbox and into the inbox. A process that joins a running job calls it before
+        it joins, so that its first steps do not fall behind its peers."""
+        mid, local = self._keeping(state, batch)
+        jax.block_until_ready(self.programs[1](mid, local))
+        mid, local = self.programs[0](state, batch)
+        if self.mesh is None:
+            arrays = eqx.filter(mid.global_params, eqx.is_inexact_array)
+            sizes, slots = self.spec.message_bytes(arrays), self.spec.layout(arrays)
+            for k, size in {(int(k), int(n)) for k, n in zip(slots.slot_of, sizes)}:
+                _take(mid.outbox, k, size, None)
+                rows = np.zeros((mid.inbox.shape[1], size), np.uint8)
+                mid = mid._replace(inbox=_put(mid.inbox, rows, k, size, None))
+        jax.block_until_ready(self.programs[1](mid, local))
 
     def drain(self) -> None:
         """Wait (each message at most `timeout` seconds) for every message posted."""
@@ -406,6 +440,9 @@ class Courier:
         event["posted"] = time.perf_counter()
         if self._pool is None:
             future = _take(state.outbox, k, size, None)
+        elif self.transport is not None:
+            x = _take(state.outbox, k, size, None)
+            future = self._pool.submit(self._carry, x, p, sent, event)
         else:
             assert self.mesh is not None
             split = NamedSharding(self.mesh, PartitionSpec(AXIS))
@@ -424,6 +461,14 @@ class Courier:
         event["arrived"] = time.perf_counter()
         return out
 
+    def _carry(self, x: Array, p: int, sent: int, event: dict) -> np.ndarray:
+        """On the courier's thread: the transport, until every message is here."""
+        assert self.transport is not None
+        event["started"] = time.perf_counter()
+        out = self.transport(np.asarray(x), p, sent)
+        event["arrived"] = time.perf_counter()
+        return out
+
     def _result(self, m: "_Message", t: int) -> Any:
         """Message m's messages, waiting at most `timeout`; a `CourierError` if the
         transfer failed or timed out."""
@@ -435,13 +480,13 @@ class Courier:
         except concurrent.futures.TimeoutError:
             self.failed = True
             raise CourierError(
-                f"{what}: the messages of processes {self._peers()} did not arrive "
+                f"{what}: the messages of {self._peers()} did not arrive "
                 f"within timeout={self.timeout} s"
             ) from None
         except Exception as error:
             self.failed = True
             raise CourierError(
-                f"{what}: the transfer with processes {self._peers()} failed: {error}"
+                f"{what}: the transfer with {self._peers()} failed: {error}"
             ) from error
 
     def _deliver(self, state: Any, t: int) -> Any:
@@ -458,10 +503,13 @@ class Courier:
         self._pending.pop(t, None)
         return state
 
-    def _peers(self) -> list[int]:
+    def _peers(self) -> str:
+        """Whom the messages come from, for an error."""
+        if self.transport is not None:
+            return repr(self.transport)
         if self.comm_mesh is None:
-            return [jax.process_index()]
-        return sorted({d.process_index for d in self.comm_mesh.devices.flat})
+            return f"processes {[jax.process_index()]}"
+        return f"processes {sorted({d.process_index for d in self.comm_mesh.devices.flat})}"
 
     def _to_comm(self, x: Array) -> Array:
         """This process's replicas' messages, on its communication device."""

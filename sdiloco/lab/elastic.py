@@ -17,6 +17,7 @@ how far it is. An island knows it was restarted by the key `joined/<m>` it left 
 the board the first time.
 """
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -25,7 +26,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, cast
 
 import equinox as eqx
 import jax
@@ -35,10 +36,13 @@ import numpy as np
 from ..distributed.board import (
     Board,
     BoardExchange,
+    BoardPosted,
+    BoardTransport,
     coordinate,
     request_heal,
     serve_heals,
 )
+from ..distributed.courier import Courier
 from ..inner import replicate
 from ..jit import jit_step
 from . import data as data_lib, train
@@ -115,12 +119,14 @@ def island(
     """Train island `replica` of `config` on the board; returns its summary.
 
     The summary: the final held-out evaluation of θ_g, whether it healed (and the
-    seconds and bytes that took), the steps it trained, each round it took part in
+    seconds and bytes that took), the seconds from its start until its programs
+    were compiled or loaded (`ready_s`), the steps it trained, each round it took part in
     (seconds waited, members) and the bytes it served to heal peers.
     """
     check_island(config, replica)
     c, m = config, config.method.num_replicas
     started = time.perf_counter()
+    train.enable_compile_cache()  # a restarted island loads its programs
     board = Board(
         options.address,
         replica + 1,
@@ -128,26 +134,29 @@ def island(
         heartbeat_s=options.heartbeat_s,
         connect_timeout_s=options.connect_timeout_s,
     )
-    exchange = BoardExchange(board, replica, m, timeout_s=options.timeout_s)
-    r, local, batches = _program(c, replica, exchange)
-    step = jit_step(r.algorithm)
+    r, local, batches, step, log = _program(c, replica, board, options)
     # Every state the step sees has been through the host, as a healed one has, and
     # is committed to the device: the same types (no weak types), one compile.
     state = _through_host(r.init_state())
-    warm = _through_host(state)
-    jax.block_until_ready(step(warm, _stack(batches[0])))  # compiles; sends nothing
-    _say(replica, f"compiled {time.perf_counter() - started:.1f} s after start")
+    _compile(step, _through_host(state), _stack(batches[0]))
+    compiled = time.perf_counter() - started  # or loaded from the cache
+    _say(replica, f"compiled {compiled:.1f} s after start")
     state, healed = _heal_if_restarted(board, replica, state, options.timeout_s)
+    if isinstance(step, Courier):  # its in-flight rounds are the peer's to post
+        cast(BoardTransport, step.transport).quiet_until = int(state.step)
     board.put(f"joined/{replica}", b"1")
     board.put(f"hello/{replica}", b"1")
     first, joined = int(state.step), time.time()
     served, losses = 0, []
-    for t in range(first + 1, c.steps + 1):
-        state, metrics = step(state, _stack(batches[t - 1]))
-        served += serve_heals(board, replica, state)
-        if t % c.log_every == 0 or t == c.steps:
-            losses.append((t, float(metrics["loss/train"])))
-            _write(out_dir, f"island-{replica}.step", str(t))
+    with contextlib.ExitStack() as stack:
+        if isinstance(step, Courier):
+            stack.enter_context(step)  # at the end: waits for the last rounds
+        for t in range(first + 1, c.steps + 1):
+            state, metrics = step(state, _stack(batches[t - 1]))
+            served += serve_heals(board, replica, state)
+            if t % c.log_every == 0 or t == c.steps:
+                losses.append((t, float(metrics["loss/train"])))
+                _write(out_dir, f"island-{replica}.step", str(t))
     jax.block_until_ready(state)
     trained = time.time() - joined
     evaluation = train.evaluator(r, local, Placement.of(1))(state)
@@ -158,11 +167,12 @@ def island(
         "first_step": first,
         "steps": c.steps,
         "seconds": time.perf_counter() - started,
+        "ready_s": compiled,
         "joined_at": joined,
         "trained_s": trained,
         "served_bytes": served,
         "losses": losses,
-        "rounds": [dataclasses.asdict(x) for x in exchange.rounds],
+        "rounds": [dataclasses.asdict(x) for x in log],
         "global_digest": digest(state.global_params),
     }
     _finish(board, replica, out_dir, summary, state.global_params)
@@ -180,14 +190,31 @@ def _finish(board, replica, out_dir, summary, theta_g) -> None:
     board.close()
 
 
-def _program(config: RunConfig, replica: int, exchange: BoardExchange):
-    """The island's run (one replica, its share of the batch) and its batches."""
+def _program(config: RunConfig, replica: int, board: Board, options: BoardOptions):
+    """The island's run (one replica, its share of the batch), its batches, its step
+    and the list its rounds are logged in.
+
+    With τ >= 1 the exchange is posted (`BoardPosted`) and the step a `Courier` whose
+    transport is the board: each round moves while the next τ steps compute, and the
+    step's two programs hold no host callback, so JAX's persistent compilation cache
+    keeps them. With τ = 0 (DiLoCo) the round is inside the sending step
+    (`BoardExchange`, a host callback).
+    """
     m = config.method.num_replicas
     local = config.replace(
         method={"num_replicas": 1},
         data={"global_batch_size": config.data.global_batch_size // m},
     )
-    r = train.build(local, exchange=exchange)
+    timeout = options.timeout_s
+    if min(np.atleast_1d(getattr(config.method, "overlap", 0))) >= 1:
+        r = train.build(local, exchange=BoardPosted(replica, m))
+        transport = BoardTransport(board, replica, m, timeout_s=timeout)
+        step = Courier(r.algorithm, transport=transport, timeout=timeout)
+        log = transport.rounds
+    else:
+        exchange = BoardExchange(board, replica, m, timeout_s=timeout)
+        r = train.build(local, exchange=exchange)
+        step, log = jit_step(r.algorithm), exchange.rounds
     batches = data_lib.replica_batches(
         r.train_tokens,
         num_replicas=m,
@@ -196,7 +223,15 @@ def _program(config: RunConfig, replica: int, exchange: BoardExchange):
         seed=config.data.seed,
         replica=replica,
     )
-    return r, local, batches
+    return r, local, batches, step, log
+
+
+def _compile(step: Any, state: Any, batch: Any) -> None:
+    """Compile the island's program(s) on a throwaway state (nothing is sent)."""
+    if isinstance(step, Courier):
+        step.warm_up(state, batch)
+    else:
+        jax.block_until_ready(step(state, batch))
 
 
 def _heal_if_restarted(board: Board, replica: int, state: Any, timeout_s: float):

@@ -32,7 +32,13 @@ import numpy as np
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
-from ..base import Algorithm, Exchange, replica_average, replica_params
+from ..base import (
+    Algorithm,
+    Exchange,
+    PostedExchange,
+    replica_average,
+    replica_params,
+)
 from ..participation import Participation
 from ..sim import chaos
 from . import data as data_lib, model as model_lib
@@ -108,11 +114,25 @@ class Run:
         )
 
 
+def enable_compile_cache(path: str | os.PathLike | None = None) -> None:
+    """Keep XLA's compilations on disk, across runs and processes (JAX's persistent
+    compilation cache): seeds of one config compile once, and a restarted process
+    (an island that rejoins an elastic job) loads its step instead of compiling it.
+
+    Uses `path`, else `$SDILOCO_JAX_CACHE`, else `/tmp/sdiloco-jax-cache`; programs
+    that compile in under 0.5 s are not kept.
+    """
+    path = path or os.environ.get("SDILOCO_JAX_CACHE", "/tmp/sdiloco-jax-cache")
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
 def build(
     config: RunConfig,
     placement: Placement | None = None,
     *,
-    exchange: Exchange | None = None,
+    exchange: Exchange | PostedExchange | None = None,
 ) -> Run:
     """Model, data and algorithm of a config (nothing is trained).
 

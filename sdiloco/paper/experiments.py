@@ -27,7 +27,6 @@ import pathlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import jax
 import numpy as np
 
 from ..analysis import outer_gradient_cosine
@@ -36,6 +35,7 @@ from ..lab import train
 from ..lab.config import PerBatch as PerBatch, Regime as Regime, RunConfig, preset
 from ..lab.methods import StreamingConfig
 from ..lab.model import preset as preset_model
+from ..lab.train import enable_compile_cache as enable_compile_cache
 from . import provenance
 from .plotting import FAST, REPO_ROOT
 
@@ -210,17 +210,6 @@ class Result:
     def final(self, metric: str = "eval/global") -> float:
         """The metric at the last evaluation."""
         return float(self.evals[-1][metric])
-
-
-def enable_compile_cache(path: str | os.PathLike | None = None) -> None:
-    """Persist XLA compilations across runs and processes (seeds of one config share one).
-
-    Uses `$SDILOCO_JAX_CACHE` or `/tmp/sdiloco-jax-cache`.
-    """
-    path = path or os.environ.get("SDILOCO_JAX_CACHE", "/tmp/sdiloco-jax-cache")
-    jax.config.update("jax_compilation_cache_dir", str(path))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def with_seed(config: RunConfig, seed: int) -> RunConfig:
