@@ -6,6 +6,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -115,4 +116,32 @@ def test_courier_moves_messages_while_inner_steps_compute():
         assert e["arrived"] - e["started"] > 3 * step, (e, step)
         during = np.sum((ends > e["started"]) & (ends < e["arrived"]))
         assert during >= 1, (e, ends)
+    assert _own() not in _namespaces()
+
+
+def test_set_link_cuts_a_worker_off_and_brings_it_back():
+    """`Wan.set_link` (the elastic benchmark's link cut): with worker 1's link down
+    it cannot reach worker 0, and once it is up again it can."""
+    server = (
+        "import socket, time; s = socket.socket(); s.bind(({!r}, 23457)); "
+        "s.listen(8); time.sleep(60)"
+    )
+    connect = "import socket, sys; socket.create_connection(({!r}, 23457), timeout=2)"
+
+    def reaches(net) -> bool:
+        argv = [sys.executable, "-c", connect.format(net.ip(0))]
+        p = net.popen(1, argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return p.wait(timeout=20) == 0
+
+    with wan.Wan(2) as net:
+        listening = net.popen(0, [sys.executable, "-c", server.format(net.ip(0))])
+        try:
+            assert any(reaches(net) or time.sleep(0.5) for _ in range(10))
+            net.set_link(1, up=False)
+            assert not reaches(net)
+            net.set_link(1, up=True)
+            assert any(reaches(net) or time.sleep(0.5) for _ in range(10))
+        finally:
+            listening.kill()
+            listening.wait(timeout=10)
     assert _own() not in _namespaces()
