@@ -19,10 +19,11 @@
 # parameters": first replica 2.77, replicas' average 2.68, outer parameters 2.67.
 #
 # **Here.** Streaming DiLoCo with overlapped FP4 communication on `tiny-xs` at its
-# tuned settings, M = 2, 20 tokens per parameter and 50 outer rounds (H = 32), three
-# seeds; the same runs are evaluated on the held-out plays with the first
-# replica's parameters, the average of the replicas' parameters, and the outer (global)
-# parameters θ_g, at every evaluation step. Downstream accuracy (HellaSwag) is not
+# tuned settings, at the one regime of the re-run notebooks (`experiments.setup`: 20
+# tokens per parameter, 50 outer rounds, H = steps / 50, the tuned warmup, every
+# held-out window scored), M = 2, three seeds; the same runs are evaluated with the
+# first replica's parameters, the average of the replicas' parameters, and the outer
+# (global) parameters θ_g, at every evaluation step. Downstream accuracy (HellaSwag) is not
 # computable offline.
 
 # %%
@@ -44,7 +45,6 @@ PAPER = {"First replica": 2.77, "Replicas average": 2.68, "Outer parameters": 2.
 # %%
 config = ex.setup(
     "streaming_overlap_fp4",
-    regime=ex.REGIME_PER_BATCH,
     eval_params=("first", "average", "global"),
 )
 results = ex.run_all({"streaming": config}, SEEDS)
