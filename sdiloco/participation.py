@@ -117,7 +117,7 @@ def mean_over(values: Array, mask: Bool[Array, " M"] | None) -> Array:
         return jnp.mean(values, axis=0)
     mask = mask.reshape((-1,) + (1,) * (values.ndim - 1))
     total = jnp.sum(jnp.where(mask, values, 0), axis=0)
-    return total / jnp.maximum(jnp.sum(mask), 1)
+    return total / jnp.maximum(jnp.sum(mask), 1).astype(total.dtype)
 
 
 def over_senders(mean: list[Array], count: Array, num_replicas: int) -> list[Array]:

@@ -1,0 +1,173 @@
+"""The islands' posted exchange (`distributed.board.BoardPosted`) moved by a `Courier`
+with a transport, in one process: an in-memory board stands in for the coordination
+service, so the numbers are tested here and the processes in `test_elastic.py`.
+
+- M islands of one replica each, all present, train the M-replica simulation (float32
+  messages), and every island ends with the same θ_g, bitwise;
+- an island left out of one round (its message missed the deadline) gives every island
+  the simulation's step in which that replica does not send;
+- a transport that fails ends the step with a `CourierError` naming it, the state
+  passed in intact; a transport with a mesh is refused.
+"""
+
+import threading
+
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import pytest
+from helpers import (
+    assert_trees_allclose,
+    assert_trees_equal,
+    toy_batches,
+    toy_params,
+    toy_streaming,
+)
+
+import sdiloco
+from sdiloco import distributed
+from sdiloco.distributed.board import BoardPosted
+
+
+M = 3
+
+
+class MemoryBoard:
+    """Every island's transport in one process: a round is complete when every
+    island has posted to it; `drop` leaves (round, island) pairs out of the members,
+    as a coordinator does with a message that came after its deadline."""
+
+    def __init__(self, drop=()):
+        self.posted: dict[tuple[int, int], dict[int, np.ndarray]] = {}
+        self.calls: list[tuple[int, int, int]] = []
+        self.drop = set(drop)
+        self.cond = threading.Condition()
+
+    def transport(self, island):
+        def move(messages, fragment, sent):
+            key = (sent, fragment)
+            with self.cond:
+                self.calls.append((island, fragment, sent))
+                self.posted.setdefault(key, {})[island] = messages[0]
+                self.cond.notify_all()
+                done = self.cond.wait_for(lambda: len(self.posted[key]) == M, 30)
+                assert done, f"round {key} never completed"
+                out = np.zeros((M,) + messages.shape[1:], np.uint8)
+                for m, message in self.posted[key].items():
+                    if (key, m) not in self.drop:
+                        out[m] = message
+                return out
+
+        return move
+
+
+def _islands(params, board, **kw):
+    algs = [
+        toy_streaming(params, num_replicas=1, exchange=BoardPosted(m, M), **kw)
+        for m in range(M)
+    ]
+    couriers = [
+        distributed.Courier(alg, transport=board.transport(m), timeout=60.0)
+        for m, alg in enumerate(algs)
+    ]
+    return algs, couriers
+
+
+def _train_islands(params, batches, board, **kw):
+    """Step the islands round-robin (each waits at t + τ for the round of t, which
+    the others post at their step t)."""
+    algs, couriers = _islands(params, board, **kw)
+    states = [alg.init(params) for alg in algs]
+    for batch in batches:
+        for m in range(M):
+            one = jax.tree.map(lambda x: x[m : m + 1], batch)
+            states[m], _ = couriers[m](states[m], one)
+    for courier in couriers:
+        courier.close()
+    return states
+
+
+def _simulate(params, batches, sends_at=None, **kw):
+    alg = toy_streaming(params, num_replicas=M, **kw)
+    step, state = sdiloco.jit_step(alg), alg.init(params)
+    for t, batch in enumerate(batches, start=1):
+        sends = np.ones(M, bool) if sends_at is None else sends_at(t)
+        state, _ = step(
+            state, batch, sdiloco.Participation.of(np.ones(M, bool), None, sends)
+        )
+    return state
+
+
+def test_islands_train_the_simulated_run():
+    params = toy_params(jr.key(5))
+    batches = toy_batches(jr.key(6), steps=14, replicas=M)
+    board = MemoryBoard()
+    states = _train_islands(params, batches, board)
+    for state in states[1:]:  # the same members' bytes, the same mean: bitwise
+        assert_trees_equal(state.global_params, states[0].global_params)
+    simulated = _simulate(params, batches)
+    assert_trees_allclose(
+        states[0].global_params, simulated.global_params, rtol=1e-5, atol=1e-6
+    )
+    assert not np.allclose(states[0].global_params["v"], params["v"])
+    # One round per sent fragment and island, named by its send step and fragment.
+    sent = {(f, s) for _, f, s in board.calls}
+    assert {(m, f, s) for m in range(M) for f, s in sent} == set(board.calls)
+    assert len(sent) >= 4
+
+
+def test_an_island_left_out_of_a_round_is_the_simulation_without_its_send():
+    params = toy_params(jr.key(5))
+    batches = toy_batches(jr.key(6), steps=14, replicas=M)
+    full = MemoryBoard()
+    _train_islands(params, batches, full)
+    rounds = sorted({(s, f) for _, f, s in full.calls})
+    late = rounds[1][0]  # island 2 misses every round sent at the second send step
+    board = MemoryBoard(drop={(r, 2) for r in rounds if r[0] == late})
+    states = _train_islands(params, batches, board)
+    for state in states[1:]:
+        assert_trees_equal(state.global_params, states[0].global_params)
+
+    def sends_at(t):
+        return np.array([True, True, t != late])
+
+    simulated = _simulate(params, batches, sends_at)
+    assert_trees_allclose(
+        states[0].global_params, simulated.global_params, rtol=1e-5, atol=1e-6
+    )
+    everyone = _simulate(params, batches)
+    assert not np.allclose(states[0].global_params["v"], everyone.global_params["v"])
+
+
+def test_a_failed_transport_names_itself_and_leaves_the_state_intact():
+    params = toy_params(jr.key(5))
+    alg = toy_streaming(params, num_replicas=1, exchange=BoardPosted(0, M))
+
+    def broken(messages, fragment, sent):
+        raise RuntimeError("board unreachable")
+
+    courier = distributed.Courier(alg, transport=broken, timeout=10.0)
+    state = alg.init(params)
+    batches = toy_batches(jr.key(6), steps=10, replicas=1)
+    with pytest.raises(distributed.CourierError) as error:
+        with courier:
+            for batch in batches:
+                state, _ = courier(state, batch)
+    message = str(error.value)
+    assert "fragment " in message and "board unreachable" in message, message
+    assert not any(x.is_deleted() for x in jax.tree.leaves(state))
+    assert jnp.all(jnp.isfinite(state.global_params["v"]))
+
+
+def test_bad_input():
+    params = toy_params(jr.key(5))
+    alg = toy_streaming(params, num_replicas=1, exchange=BoardPosted(0, M))
+    mesh = distributed.replica_mesh(1, jax.devices()[:1])
+    with pytest.raises(ValueError, match="transport= with a mesh"):
+        distributed.Courier(alg, mesh, mesh, transport=lambda *a: a[0])
+    with pytest.raises(ValueError, match="replica=3"):
+        BoardPosted(3, M)
+    with pytest.raises(ValueError, match="one replica per island"):
+        two = toy_streaming(params, num_replicas=2, exchange=BoardPosted(0, M))
+        two.step(two.init(params), toy_batches(jr.key(6), steps=1, replicas=2)[0])
