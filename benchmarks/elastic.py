@@ -19,7 +19,9 @@ a grace window of 4 s), per seed:
 Measured: the survivors' longest wait for a round (the stall per failure), the
 rounds decided at the grace deadline, the returning island's time from its restart
 to its first round as a member (against a whole job's time from start to its first
-step, a lower bound of a restart from a checkpoint), the heal's seconds and bytes,
+step, a lower bound of a restart from a checkpoint; the islands share a compilation
+cache, `CACHE`, which the first job fills, and the record says whether it was warm),
+the heal's seconds and bytes,
 the final held-out loss of θ_g, and the seed-paired difference killed −
 uninterrupted with its 95 % t-interval. Writes `benchmarks/measured/elastic.json`.
 Every process is bounded in time; the namespaces are always removed.
