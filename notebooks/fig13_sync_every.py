@@ -19,7 +19,9 @@
 # will see replicas drifting apart … while Streaming DiLoCo has similar behavior as
 # DiLoCo when H increases, it is more robust to low values of H."
 #
-# **Here.** `tiny-xs`, M = 2, at the compute-optimal 20 tokens per parameter, with the
+# **Here.** `tiny-xs`, M = 2, at the one regime of the re-run notebooks
+# (`experiments.setup`: the tuned warmup, every held-out window scored) and the
+# compute-optimal 20 tokens per parameter, with the
 # number of outer rounds swept 50 → 800 (H = 64, 16 and 4 inner steps; the steps stay
 # fixed): the small-H side, where DiLoCo collapsed in our untuned runs. The large-H
 # side (12 to 50 rounds, Streaming FP4) is in the `hyperparameter_sweep` notebook.
@@ -41,7 +43,7 @@ plotting.style()
 NOTEBOOK = "fig13_sync_every"
 ROUNDS = (2,) if plotting.FAST else (50, 200, 800)
 SEEDS = ex.SEEDS
-diloco = ex.setup("diloco", regime=ex.REGIME_PER_BATCH)
+diloco = ex.setup("diloco", regime=ex.REGIME)
 TUNED = {  # DiLoCo's tuned settings, given to every method of the sweep
     "inner": {"lr": diloco.inner.lr},
     "data": {"global_batch_size": diloco.data.global_batch_size},
@@ -60,7 +62,7 @@ METHODS = {
 configs = {
     f"{method}|R={r}": ex.setup(
         preset,
-        regime=dataclasses.replace(ex.REGIME_PER_BATCH, rounds=r),
+        regime=dataclasses.replace(ex.REGIME, rounds=r),
         method=method_changes,
         **TUNED,
     )
@@ -71,7 +73,7 @@ H = {r: configs[f"DiLoCo|R={r}"].method.sync_every for r in ROUNDS}
 results = ex.run_all(configs, SEEDS)
 stats = ex.summarize(results)
 dp_results = ex.run_all(
-    {"Data-Parallel": ex.setup("data_parallel", regime=ex.REGIME_PER_BATCH)}, SEEDS
+    {"Data-Parallel": ex.setup("data_parallel", regime=ex.REGIME)}, SEEDS
 )
 dp = ex.summarize(dp_results)["Data-Parallel"]
 

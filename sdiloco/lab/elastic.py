@@ -10,7 +10,10 @@ live peer and it rejoins at its next send.
 
 Each island trains the run's replica m: `num_replicas=1` in its own algorithm, its
 share of the global batch (`data.replica_batches`, indexed by the step count), and
-the exchange of `distributed.board_exchange`. At the end it scores θ_g on the
+an exchange over the board: posted and moved by a `Courier` while the next τ steps
+compute (`BoardPosted`, `BoardTransport`) when τ >= 1, inside the sending step
+(`board_exchange`) for DiLoCo. Its compiled programs are kept in JAX's persistent
+cache (`train.enable_compile_cache`), so a restarted island loads them. At the end it scores θ_g on the
 held-out set, like `train.run`, and writes `out/island-<m>.json` (its summary) and
 `out/island-<m>.eqx` (θ_g, `eqx.tree_serialise_leaves`); `out/island-<m>.step` says
 how far it is. An island knows it was restarted by the key `joined/<m>` it left on
