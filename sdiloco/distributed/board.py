@@ -202,11 +202,7 @@ class BoardExchange:
     def __init__(
         self, board: Board, replica: int, num_replicas: int, *, timeout_s: float = 120
     ):
-        if not 0 <= replica < num_replicas:
-            raise ValueError(
-                f"replica={replica}; allowed: 0 ... num_replicas - 1 = "
-                f"{num_replicas - 1}."
-            )
+        _check_replica(replica, num_replicas)
         self.board, self.replica, self.num_replicas = board, replica, num_replicas
         self.timeout_s = timeout_s
         self.rounds: list[RoundLog] = []
@@ -222,9 +218,10 @@ class BoardExchange:
         key: PRNGKeyArray,
     ) -> tuple[list[Array], list[Array]]:
         _check_island(deltas)
-        m, count = self.replica, self.num_replicas
-        keys = [k[m : m + 1] for k in replica_keys(key, len(deltas), count)]
-        wire = Wire(compressor, fragments, deltas, keys, 0)
+        count = self.num_replicas
+        wire, keys = _island_wire(
+            self.replica, count, compressor, fragments, deltas, key
+        )
         message = jax.vmap(wire.encode)(deltas, keys)[0]  # [B]
         shapes = (
             jax.ShapeDtypeStruct((count,) + message.shape, jnp.uint8),
@@ -303,11 +300,7 @@ class BoardPosted:
     """
 
     def __init__(self, replica: int, num_replicas: int):
-        if not 0 <= replica < num_replicas:
-            raise ValueError(
-                f"replica={replica}; allowed: 0 ... num_replicas - 1 = "
-                f"{num_replicas - 1}."
-            )
+        _check_replica(replica, num_replicas)
         self.replica, self.num_replicas = replica, num_replicas
 
     def __repr__(self) -> str:
@@ -315,8 +308,7 @@ class BoardPosted:
 
     def _wire(self, compressor, fragments, deltas, key):
         m, count = self.replica, self.num_replicas
-        keys = [k[m : m + 1] for k in replica_keys(key, len(deltas), count)]
-        return Wire(compressor, fragments, deltas, keys, 0), keys
+        return _island_wire(m, count, compressor, fragments, deltas, key)
 
     def message_bytes(self, compressor, fragments, deltas, key) -> int:
         def size(deltas, key):
@@ -374,6 +366,22 @@ class BoardTransport:
             post=sent > self.quiet_until,
         )
         return out
+
+
+def _check_replica(replica: int, num_replicas: int) -> None:
+    if not 0 <= replica < num_replicas:
+        raise ValueError(
+            f"replica={replica}; allowed: 0 ... num_replicas - 1 = {num_replicas - 1}."
+        )
+
+
+def _island_wire(replica, num_replicas, compressor, fragments, deltas, key):
+    """The packed format of island `replica`'s message and its PRNG keys (those the
+    simulation gives that replica, so the bytes are the simulation's)."""
+    keys = [
+        k[replica : replica + 1] for k in replica_keys(key, len(deltas), num_replicas)
+    ]
+    return Wire(compressor, fragments, deltas, keys, 0), keys
 
 
 def _check_island(deltas: list[Array]) -> None:

@@ -359,9 +359,8 @@ class Courier:
         jax.block_until_ready(self.programs[1](mid, local))
         mid, local = self.programs[0](state, batch)
         if self.mesh is None:
-            arrays = eqx.filter(mid.global_params, eqx.is_inexact_array)
-            sizes, slots = self.spec.message_bytes(arrays), self.spec.layout(arrays)
-            for k, size in {(int(k), int(n)) for k, n in zip(slots.slot_of, sizes)}:
+            self._measure(mid)
+            for k, size in {(int(k), int(n)) for k, n in zip(self._slots, self._sizes)}:
                 _take(mid.outbox, k, size, None)
                 rows = np.zeros((mid.inbox.shape[1], size), np.uint8)
                 mid = mid._replace(inbox=_put(mid.inbox, rows, k, size, None))
@@ -421,14 +420,19 @@ class Courier:
         """Read t off the state and post again every fragment still in flight."""
         self.drain()
         self._pending = {}
-        arrays = eqx.filter(state.global_params, eqx.is_inexact_array)
-        self._sizes = self.spec.message_bytes(arrays)
-        self._slots = self.spec.layout(arrays).slot_of
+        self._measure(state)
         step, sent_at = int(_read(state.step)), np.asarray(_read(state.sent_at))
         self._t = step
         tau = self.spec.schedule.min_overlap
         for p in np.flatnonzero(self.spec.schedule.in_flight(step, sent_at)):
             self._post_one(state, int(p), int(sent_at[p]), int(sent_at[p]) + tau)
+
+    def _measure(self, state: Any) -> None:
+        """Each fragment's message bytes and in-flight slot (static: the state's
+        shapes)."""
+        arrays = eqx.filter(state.global_params, eqx.is_inexact_array)
+        self._sizes = self.spec.message_bytes(arrays)
+        self._slots = self.spec.layout(arrays).slot_of
 
     def _post(self, state: Any, t: int) -> None:
         for p in np.flatnonzero(self.spec.schedule.sent(t)):
