@@ -7,7 +7,10 @@ service, so the numbers are tested here and the processes in `test_elastic.py`.
 - an island left out of one round (its message missed the deadline) gives every island
   the simulation's step in which that replica does not send;
 - a transport that fails ends the step with a `CourierError` naming it, the state
-  passed in intact; a transport with a mesh is refused.
+  passed in intact; a transport with a mesh is refused;
+- the coordinator's heal routing (`HealRouter`) never sends a request to an island
+  that asks for a heal itself, gives a peer one request at a time, and routes again
+  when the peer it chose dies or comes back.
 """
 
 import threading
@@ -24,10 +27,11 @@ from helpers import (
     toy_params,
     toy_streaming,
 )
+from hypothesis import given, settings, strategies as st
 
 import sdiloco
 from sdiloco import distributed
-from sdiloco.distributed.board import BoardPosted
+from sdiloco.distributed.board import Board, BoardPosted, HealRouter
 
 
 M = 3
@@ -171,3 +175,89 @@ def test_bad_input():
     with pytest.raises(ValueError, match="one replica per island"):
         two = toy_streaming(params, num_replicas=2, exchange=BoardPosted(0, M))
         two.step(two.init(params), toy_batches(jr.key(6), steps=1, replicas=2)[0])
+
+
+class DictBoard(Board):
+    """The coordinator's view of the board's keys, in a dict (no service)."""
+
+    def __init__(self):  # pyright: ignore[reportMissingSuperCall]
+        self.kv: dict[str, bytes] = {}
+
+    def put(self, key, value):
+        self.kv[key] = value
+
+    def try_get(self, key):
+        return self.kv.get(key)
+
+    def delete(self, key):
+        self.kv.pop(key, None)
+
+    def keys(self, prefix):
+        return [k for k in self.kv if k.startswith(prefix)]
+
+    def served(self):
+        """peer -> asker of every request routed and not yet taken."""
+        return {
+            int(k.rsplit("/", 1)[1]): int(v.decode().split(":")[0])
+            for k, v in self.kv.items()
+            if k.startswith("heal/serve/")
+        }
+
+
+def _ask(board, asker, nonce="7"):
+    board.put(f"heal/want/{asker}", nonce.encode())
+
+
+@settings(deadline=None, max_examples=60)
+@given(
+    st.sets(st.integers(0, 5)),
+    st.sets(st.integers(0, 5)),
+    st.lists(st.integers(0, 5), max_size=3),
+)
+def test_heal_routing_never_pairs_askers_and_gives_a_peer_one_request(
+    askers, live, recent
+):
+    board, route = DictBoard(), HealRouter()
+    for a in askers:
+        _ask(board, a)
+    route(board, set(live), tuple(recent))
+    served = board.served()
+    assert set(served) <= set(live) - set(askers)  # only live, non-asking peers
+    assert set(served.values()) <= set(askers)  # one entry per peer: one request
+    assert len(served) == min(len(askers), len(set(live) - set(askers)))
+    waiting = {int(k.rsplit("/", 1)[1]) for k in board.keys("heal/want/")}
+    assert waiting == set(askers) - set(served.values())  # the rest wait
+    free = [p for p in live - askers if p in recent] or sorted(live - askers)
+    if served:  # a member of the latest round serves first
+        assert min(served) in free or min(free) in served
+
+
+def test_two_islands_restarted_at_once_both_heal_from_the_survivor():
+    # Islands 1 and 2 come back while their old incarnations still count as live.
+    board, route = DictBoard(), HealRouter()
+    live, recent = {0, 1, 2}, (0, 1, 2)
+    _ask(board, 1, "a")
+    _ask(board, 2, "b")
+    route(board, live, recent)
+    assert board.served() == {0: 1}  # never to each other; island 0 one at a time
+    route(board, live, recent)
+    assert board.served() == {0: 1}  # 2 waits while 0 serves 1
+    board.delete("heal/serve/0")  # island 0 takes the request between two steps
+    route(board, live, recent)
+    assert board.served() == {0: 2}
+    assert board.try_get("heal/serve/0") == b"2:b"
+
+
+def test_a_request_routed_to_a_peer_that_dies_or_returns_is_routed_again():
+    board, route = DictBoard(), HealRouter()
+    _ask(board, 2, "n")
+    route(board, {0, 1}, (1,))  # island 0 was left out of the latest round
+    assert board.served() == {1: 2}  # the latest round's member first
+    route(board, {0}, (0,))  # island 1 missed a deadline before it served
+    assert board.served() == {0: 2} and board.try_get("heal/serve/0") == b"2:n"
+    board2, route2 = DictBoard(), HealRouter()
+    _ask(board2, 2, "n")
+    route2(board2, {0, 1}, (1,))
+    _ask(board2, 1, "m")  # island 1 died and asks for a heal itself
+    route2(board2, {0, 1}, (1,))
+    assert board2.served() == {0: 1} and board2.keys("heal/want/") == ["heal/want/2"]

@@ -7,6 +7,10 @@
   (their longest wait is bounded by it), train without it, and the same command
   started again heals it from a live peer; it takes part in the rounds after, and
   every island ends with the same θ_g;
+- island 1's link cut for a while (each process in a network namespace of
+  `benchmarks.wan`, root): the others go on without it after one grace window, it
+  reads the rounds it missed and takes part again without a heal, and every island
+  ends with the same θ_g;
 - bad flags end with one line and a non-zero status before anything starts.
 """
 
@@ -25,11 +29,13 @@ import numpy as np
 import pytest
 from helpers import assert_trees_allclose, cpu_env, finish_processes, free_port
 
+from benchmarks import wan
 from sdiloco.lab import cli, config as config_lib, train
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 M = 3
+WAN = wan.available()
 FLAGS = [
     "--preset=streaming_overlap_fp4",
     "--model=tiny-xxs",
@@ -61,9 +67,9 @@ def _popen(argv, out):
     )
 
 
-def _board(port, grace, timeout):
+def _board(port, grace, timeout, host="127.0.0.1"):
     return [
-        f"--board=127.0.0.1:{port}",
+        f"--board={host}:{port}",
         f"--grace={grace}",
         f"--board-timeout={timeout}",
         "--init-timeout=120",
@@ -196,6 +202,65 @@ def test_sigkill_an_island_the_others_go_on_and_it_heals(tmp_path):
         )
 
 
+@pytest.mark.multiprocess
+@pytest.mark.skipif(not WAN[0], reason=f"no WAN emulation here: {WAN[1]}")
+def test_a_cut_link_leaves_the_island_out_then_it_takes_part_again(tmp_path):
+    # Each process in its own network namespace (`benchmarks.wan`); island 1's link
+    # is down for longer than the grace window and shorter than the heartbeat.
+    # A grace window long enough that the islands' unequal start on a busy machine is
+    # not taken for a failure.
+    steps, grace, cut_at, cut_s = 1200, 8.0, 60, 12.0
+    with wan.Wan(M + 1) as net:
+        env = dict(cpu_env(1, ROOT), SDILOCO_JAX_CACHE=str(tmp_path / "xla"))
+
+        def popen(node, argv):
+            return net.popen(
+                node,
+                [sys.executable, "-m", "sdiloco", *argv],
+                env=env,
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+
+        board = [*_board(free_port(), grace, 120, net.ip(0)), "--heartbeat=60"]
+        out = f"--out={tmp_path}"
+        procs = [popen(0, ["coordinate", f"--replicas={M}", *board, out])]
+        for m in range(M):
+            argv = ["train", *FLAGS, f"--steps={steps}", f"--replica={m}", *board]
+            procs.append(popen(m + 1, [*argv, out]))
+        deadline = time.monotonic() + 300
+        while _step(tmp_path, 1) < cut_at and time.monotonic() < deadline:
+            assert all(p.poll() is None for p in procs)
+            time.sleep(0.05)
+        net.set_link(2, up=False)  # island 1 is node 2
+        time.sleep(cut_s)
+        net.set_link(2, up=True)
+        finish_processes(procs, timeout=600)
+    decisions = _summary(tmp_path, "coordinator.json")
+    cut = [d for d in decisions if d["timed_out"] and d["members"] == [0, 2]]
+    assert cut, "the cut was never detected"  # the others went on without it
+    assert sum(d["timed_out"] for d in decisions) <= 4
+    without = [i for i, d in enumerate(decisions) if 1 not in d["members"]]
+    back = decisions[without[-1] + 1 :]
+    assert len(back) > len(decisions) // 4  # it takes part to the end
+    assert all(d["members"] == [0, 1, 2] for d in back)
+    assert not _summary(tmp_path, "island-1.json")["healed"]  # it never left
+    for m in (0, 2):  # a survivor waited at most about one grace window per round
+        waits = [
+            r["waited_s"] for r in _summary(tmp_path, f"island-{m}.json")["rounds"]
+        ]
+        assert max(waits) < grace + 3.0, max(waits)
+    like = train.build(_config(steps)).model
+    thetas = [_theta(tmp_path, m, like) for m in range(M)]
+    for theta in thetas[1:]:  # it read the rounds it missed: the same θ_g
+        assert all(
+            np.array_equal(a, b)
+            for a, b in zip(jax.tree.leaves(thetas[0]), jax.tree.leaves(theta))
+        )
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -217,6 +282,10 @@ def test_sigkill_an_island_the_others_go_on_and_it_heals(tmp_path):
         (
             ["train", "--board=h:1", "--replica=0", "--grace=10", "--board-timeout=5"],
             "timeout_s=5.0 <= grace_s=10.0",
+        ),
+        (
+            ["coordinate", "--board=h:1", "--replicas=3", "--heartbeat=0"],
+            "heartbeat_s=0; allowed: >= 1 s",
         ),
     ],
 )

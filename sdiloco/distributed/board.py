@@ -489,6 +489,7 @@ def coordinate(
     decided: dict[str, float] = {}
     decisions: list[Decision] = []
     began, greeted = time.perf_counter(), set()
+    route, recent = HealRouter(), ()
     while not stop():
         time.sleep(poll_s)
         now = time.perf_counter()
@@ -499,7 +500,7 @@ def coordinate(
             greeted.add(int(key.rsplit("/", 1)[1]))
             expected.add(int(key.rsplit("/", 1)[1]))
             board.delete(key)
-        _route_heals(board, expected)
+        route(board, expected, recent)
         if len(greeted) < num_replicas and now - began < start_s:
             continue  # still starting
         for name, arrived in _arrivals(board).items():
@@ -515,7 +516,7 @@ def coordinate(
                 board.delete(f"arrived/{name}")
                 if timed_out:
                     expected = set(arrived)
-                decided[name] = now
+                decided[name], recent = now, members
                 decisions.append(Decision(name, members, now - first[name], timed_out))
         for name, at in list(decided.items()):
             if now - at > keep_s and at > 0:
@@ -525,21 +526,44 @@ def coordinate(
     return decisions
 
 
-def _route_heals(board: Board, live: set[int]) -> None:
-    """Each request for a state goes to the lowest live replica but the asker.
+class HealRouter:
+    """The coordinator's routing of heal requests (`request_heal`) to live peers.
 
-    "Live" is the coordinator's expected set: an island that died and has not yet
-    missed a deadline counts as live, so two islands restarted at once may be routed
-    to each other; the asker's wait then ends in `BoardError` and it is started
-    again."""
-    for key in board.keys("heal/want/"):
-        asker = int(key.rsplit("/", 1)[1])
-        nonce = board.try_get(key)
-        peers = sorted(live - {asker})
-        if nonce is None or not peers:
-            continue  # asked again later, or when a peer is live
-        board.delete(key)
-        board.put(f"heal/serve/{peers[0]}", f"{asker}:{nonce.decode()}".encode())
+    A request goes to a peer that is live (in the coordinator's expected set), is
+    not itself waiting for a heal and is not serving another request; members of
+    the latest decided round come first (they are training now). Two islands
+    restarted at once are therefore never routed to each other, and a peer serves
+    one request at a time. A request routed to a peer that then leaves the live set
+    (it missed a deadline: it died before it served) or asks for a heal itself (it
+    died and came back) is routed again.
+    """
+
+    def __init__(self):
+        self.routed: dict[int, tuple[int, str]] = {}  # peer -> (asker, nonce)
+
+    def __call__(
+        self, board: "Board", live: set[int], recent: tuple[int, ...] = ()
+    ) -> None:
+        askers = {int(k.rsplit("/", 1)[1]) for k in board.keys("heal/want/")}
+        for peer, (asker, nonce) in list(self.routed.items()):
+            if board.try_get(f"heal/serve/{peer}") is None:  # the peer took it
+                del self.routed[peer]
+            elif peer not in live or peer in askers:  # it died, or came back
+                board.delete(f"heal/serve/{peer}")
+                del self.routed[peer]
+                if asker not in askers:  # ask again (a newer request stands)
+                    board.put(f"heal/want/{asker}", nonce.encode())
+                    askers.add(asker)
+        busy = askers | set(self.routed) | {a for a, _ in self.routed.values()}
+        for asker in sorted(askers):
+            nonce = board.try_get(f"heal/want/{asker}")
+            peers = sorted(live - busy, key=lambda p: (p not in recent, p))
+            if nonce is None or not peers:
+                continue  # asked again later, or when a peer is free
+            board.delete(f"heal/want/{asker}")
+            board.put(f"heal/serve/{peers[0]}", f"{asker}:{nonce.decode()}".encode())
+            self.routed[peers[0]] = (asker, nonce.decode())
+            busy.add(peers[0])
 
 
 def _arrivals(board: Board) -> dict[str, set[int]]:

@@ -97,6 +97,7 @@ def _board(args: argparse.Namespace) -> Any:
         args.board,
         grace_s=args.grace,
         timeout_s=args.board_timeout,
+        heartbeat_s=args.heartbeat,
         connect_timeout_s=args.init_timeout,
     )
 
@@ -295,6 +296,14 @@ def _add_board_flags(d: Any) -> None:
         type=float,
         default=120.0,
         help="seconds any wait on the board may last (default 120)",
+    )
+    d.add_argument(
+        "--heartbeat",
+        type=int,
+        default=10,
+        help="seconds without a heartbeat after which the board counts a process "
+        "as gone, and JAX's runtime ends a process that cannot reach the board "
+        "(default 10)",
     )
 
 

@@ -78,6 +78,8 @@ class BoardOptions:
         host, _, port = self.address.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"board={self.address!r}; allowed: HOST:PORT.")
+        if not self.heartbeat_s >= 1:
+            raise ValueError(f"heartbeat_s={self.heartbeat_s}; allowed: >= 1 s.")
         for name in ("grace_s", "timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)}; allowed: > 0.")
