@@ -14,7 +14,7 @@ import sdiloco
 from sdiloco.__main__ import main
 from sdiloco.lab import config as config_lib, data as data_lib, model as model_lib
 from sdiloco.lab.checkpoint import CheckpointError
-from sdiloco.lab.train import build, run
+from sdiloco.lab.train import build, enable_compile_cache, run
 
 
 @pytest.fixture(autouse=True)
@@ -248,3 +248,21 @@ def test_failures_need_the_one_device_simulation():
     cfg = _tiny(failures={"failures": 1.0})
     with pytest.raises(ValueError, match=r"RunConfig.failures=.* courier"):
         run(cfg, progress=False, courier=True)
+
+
+def test_compile_cache_honours_the_users_own_directory(monkeypatch, tmp_path):
+    """`enable_compile_cache` keeps a cache directory set through JAX's own setting;
+    `$SDILOCO_JAX_CACHE` and an explicit path still come first."""
+    before = jax.config.jax_compilation_cache_dir
+    monkeypatch.delenv("SDILOCO_JAX_CACHE", raising=False)
+    try:
+        jax.config.update("jax_compilation_cache_dir", str(tmp_path / "own"))
+        enable_compile_cache()
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "own")
+        monkeypatch.setenv("SDILOCO_JAX_CACHE", str(tmp_path / "env"))
+        enable_compile_cache()
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "env")
+        enable_compile_cache(tmp_path / "given")
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "given")
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)

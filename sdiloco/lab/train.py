@@ -119,10 +119,14 @@ def enable_compile_cache(path: str | os.PathLike | None = None) -> None:
     compilation cache): seeds of one config compile once, and a restarted process
     (an island that rejoins an elastic job) loads its step instead of compiling it.
 
-    Uses `path`, else `$SDILOCO_JAX_CACHE`, else `/tmp/sdiloco-jax-cache`; programs
-    that compile in under 0.5 s are not kept.
+    Uses `path`, else `$SDILOCO_JAX_CACHE`, else JAX's own setting
+    (`$JAX_COMPILATION_CACHE_DIR` or `jax_compilation_cache_dir`) when one is
+    given, else `/tmp/sdiloco-jax-cache`; programs that compile in under 0.5 s are
+    not kept.
     """
-    path = path or os.environ.get("SDILOCO_JAX_CACHE", "/tmp/sdiloco-jax-cache")
+    own = jax.config.jax_compilation_cache_dir
+    default = own or "/tmp/sdiloco-jax-cache"
+    path = path or os.environ.get("SDILOCO_JAX_CACHE", default)
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
