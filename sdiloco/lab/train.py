@@ -124,7 +124,7 @@ def enable_compile_cache(path: str | os.PathLike | None = None) -> None:
     given, else `/tmp/sdiloco-jax-cache`; programs that compile in under 0.5 s are
     not kept.
     """
-    own = jax.config.jax_compilation_cache_dir
+    own = jax.config.jax_compilation_cache_dir  # pyright: ignore[reportAttributeAccessIssue]
     default = own or "/tmp/sdiloco-jax-cache"
     path = path or os.environ.get("SDILOCO_JAX_CACHE", default)
     jax.config.update("jax_compilation_cache_dir", str(path))
