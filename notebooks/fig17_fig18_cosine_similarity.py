@@ -111,11 +111,13 @@ print(plotting.markdown_table(rows))
 def mean_curve(
     size: str, key: str, select
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Steps, mean over seeds and half-range over seeds of the selected cosines."""
+    """Fraction of training done (the sizes train for different numbers of steps),
+    mean over seeds and half-range over seeds of the selected cosines."""
     runs = [np.asarray(cos[size, s][key]) for s in SEEDS]
     picked = [r[select(r)] for r in runs]
     values = np.stack([p[:, 2] for p in picked])
-    return picked[0][:, 0], values.mean(0), (values.max(0) - values.min(0)) / 2
+    done = picked[0][:, 0] / configs[size].steps
+    return done, values.mean(0), (values.max(0) - values.min(0)) / 2
 
 
 # %%
@@ -123,14 +125,14 @@ results_json = {f"{size}/seed={seed}": v for (size, seed), v in cos.items()}
 fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
 for size, color in zip(SIZES, ("tab:blue", "tab:orange", "tab:green")):
     for ax, wanted in ((axes[0], lambda p: p > 0), (axes[1], lambda p: p == 0)):
-        steps, mean, half = mean_curve(size, "fragment", lambda r: wanted(r[:, 1]))
-        ax.plot(steps, mean, marker=".", ms=3, lw=1, color=color, label=size)
-        ax.fill_between(steps, mean - half, mean + half, color=color, alpha=0.2)
+        done, mean, half = mean_curve(size, "fragment", lambda r: wanted(r[:, 1]))
+        ax.plot(done, mean, marker=".", ms=3, lw=1, color=color, label=size)
+        ax.fill_between(done, mean - half, mean + half, color=color, alpha=0.2)
 for ax, title in zip(
     axes, ("(a) all fragments but the embedding", "(b) embedding fragment")
 ):
     ax.axhline(0, color="k", lw=0.8)
-    ax.set_xlabel("inner step")
+    ax.set_xlabel("fraction of training (inner steps ÷ steps)")
     ax.set_title(title)
     ax.legend()
 axes[0].set_ylabel("cosine similarity of the replicas' Δ")
@@ -157,11 +159,11 @@ for ax, size in zip(axes[0], SIZES):
     n = model_lib.preset(size).num_layers
     shades = plt.get_cmap("viridis")(np.linspace(0, 0.9, n))
     for i in range(n):
-        steps, mean, _ = mean_curve(size, "layer", lambda r, i=i: r[:, 1] == i)
-        ax.plot(steps, mean, lw=1, color=shades[i], label=f"layer {i + 1}")
+        done, mean, _ = mean_curve(size, "layer", lambda r, i=i: r[:, 1] == i)
+        ax.plot(done, mean, lw=1, color=shades[i], label=f"layer {i + 1}")
     ax.axhline(0, color="k", lw=0.8)
     ax.set_title(size)
-    ax.set_xlabel("inner step")
+    ax.set_xlabel("fraction of training (inner steps ÷ steps)")
 axes[0][0].set_ylabel("cosine similarity of the replicas' Δ")
 axes[0][-1].legend(fontsize=7)
 fig.suptitle(f"Fig. 18: per layer (darker = earlier layer; mean of {len(SEEDS)} seeds)")

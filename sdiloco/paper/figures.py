@@ -264,8 +264,9 @@ def _run_all(paths: list, out_dir: pathlib.Path, fast: bool, jobs: int) -> int:
         for name, wall, rc, runs in runs_of:
             status = "ok" if rc == 0 else f"FAILED (exit {rc})"
             if runs.get("stale"):
-                status += f"; {runs['stale']} of {runs['runs']} records were made by "
-                status += "code of another numerics fingerprint (stale)"
+                status += f"; {runs['stale']} of {runs['runs']} records have another "
+                status += "numerics fingerprint (stale: other code, or this code on "
+                status += "another machine type)"
             print(f"{name}: {status} in {wall:.0f} s", flush=True)
             if rc:
                 failed.append(name)
