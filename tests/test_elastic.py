@@ -15,6 +15,7 @@
 """
 
 import contextlib
+import functools
 import io
 import json
 import os
@@ -54,10 +55,10 @@ def standard_promotion():
         yield
 
 
-def _popen(argv, out):
+def _popen(argv, out, start=subprocess.Popen):
     # The job's own compilation cache: a restarted island loads its step from it.
     env = dict(cpu_env(1, ROOT), SDILOCO_JAX_CACHE=str(out / "xla"))
-    return subprocess.Popen(
+    return start(
         [sys.executable, "-m", "sdiloco", *argv],
         env=env,
         cwd=ROOT,
@@ -125,6 +126,24 @@ def _step(out, m):
         return 0
 
 
+def _assert_equal_thetas(out, like):
+    """Every island's θ_g, checked bitwise equal to island 0's."""
+    thetas = [_theta(out, m, like) for m in range(M)]
+    for theta in thetas[1:]:
+        assert all(
+            np.array_equal(a, b)
+            for a, b in zip(jax.tree.leaves(thetas[0]), jax.tree.leaves(theta))
+        )
+    return thetas
+
+
+def _assert_survivors_waited_one_grace(out, grace):
+    """Islands 0 and 2 waited at most about one grace window for any round."""
+    for m in (0, 2):
+        waits = [r["waited_s"] for r in _summary(out, f"island-{m}.json")["rounds"]]
+        assert max(waits) < grace + 3.0, max(waits)
+
+
 @pytest.mark.multiprocess
 def test_islands_train_the_simulated_run(tmp_path):
     # float32 messages: with FP4 one rounding flip of a code moves an element by a
@@ -139,12 +158,7 @@ def test_islands_train_the_simulated_run(tmp_path):
     assert not any(d["timed_out"] for d in decisions)
     simulated = train.run(_config(steps, quantizer=None), progress=False)
     like = simulated.state.global_params
-    thetas = [_theta(tmp_path, m, like) for m in range(M)]
-    for theta in thetas[1:]:  # every island averaged the same messages: bitwise
-        assert all(
-            np.array_equal(a, b)
-            for a, b in zip(jax.tree.leaves(thetas[0]), jax.tree.leaves(theta))
-        )
+    thetas = _assert_equal_thetas(tmp_path, like)  # the same messages averaged
     # One program per island vs the vmapped simulation: float32 rounding apart.
     assert_trees_allclose(thetas[0], like, rtol=2e-4, atol=2e-5)
     final = _summary(tmp_path, "island-0.json")["evaluation"]["eval/global"]
@@ -188,18 +202,8 @@ def test_sigkill_an_island_the_others_go_on_and_it_heals(tmp_path):
     assert healed["healed"]["bytes"] > 0 and healed["first_step"] > killed
     served = sum(_summary(tmp_path, f"island-{m}.json")["served_bytes"] for m in (0, 2))
     assert served == healed["healed"]["bytes"]
-    for m in (0, 2):  # a survivor waited at most about one grace window per round
-        waits = [
-            r["waited_s"] for r in _summary(tmp_path, f"island-{m}.json")["rounds"]
-        ]
-        assert max(waits) < grace + 3.0, max(waits)
-    like = train.build(_config(steps)).model
-    thetas = [_theta(tmp_path, m, like) for m in range(M)]
-    for theta in thetas[1:]:
-        assert all(
-            np.array_equal(a, b)
-            for a, b in zip(jax.tree.leaves(thetas[0]), jax.tree.leaves(theta))
-        )
+    _assert_survivors_waited_one_grace(tmp_path, grace)
+    _assert_equal_thetas(tmp_path, train.build(_config(steps)).model)
 
 
 @pytest.mark.multiprocess
@@ -211,18 +215,9 @@ def test_a_cut_link_leaves_the_island_out_then_it_takes_part_again(tmp_path):
     # not taken for a failure.
     steps, grace, cut_at, cut_s = 1200, 8.0, 60, 12.0
     with wan.Wan(M + 1) as net:
-        env = dict(cpu_env(1, ROOT), SDILOCO_JAX_CACHE=str(tmp_path / "xla"))
 
-        def popen(node, argv):
-            return net.popen(
-                node,
-                [sys.executable, "-m", "sdiloco", *argv],
-                env=env,
-                cwd=ROOT,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
+        def popen(node, argv):  # process `node` in its own namespace
+            return _popen(argv, tmp_path, functools.partial(net.popen, node))
 
         board = [*_board(free_port(), grace, 120, net.ip(0)), "--heartbeat=60"]
         out = f"--out={tmp_path}"
@@ -247,18 +242,9 @@ def test_a_cut_link_leaves_the_island_out_then_it_takes_part_again(tmp_path):
     assert len(back) > len(decisions) // 4  # it takes part to the end
     assert all(d["members"] == [0, 1, 2] for d in back)
     assert not _summary(tmp_path, "island-1.json")["healed"]  # it never left
-    for m in (0, 2):  # a survivor waited at most about one grace window per round
-        waits = [
-            r["waited_s"] for r in _summary(tmp_path, f"island-{m}.json")["rounds"]
-        ]
-        assert max(waits) < grace + 3.0, max(waits)
-    like = train.build(_config(steps)).model
-    thetas = [_theta(tmp_path, m, like) for m in range(M)]
-    for theta in thetas[1:]:  # it read the rounds it missed: the same θ_g
-        assert all(
-            np.array_equal(a, b)
-            for a, b in zip(jax.tree.leaves(thetas[0]), jax.tree.leaves(theta))
-        )
+    _assert_survivors_waited_one_grace(tmp_path, grace)
+    # it read the rounds it missed: the same θ_g
+    _assert_equal_thetas(tmp_path, train.build(_config(steps)).model)
 
 
 @pytest.mark.parametrize(
