@@ -77,7 +77,7 @@ def _board(port, grace, timeout, host="127.0.0.1"):
     ]
 
 
-def _island(m, out, steps, board, extra=()):
+def _island(m, out, steps, board, extra=(), start=subprocess.Popen):
     return _popen(
         [
             "train",
@@ -89,13 +89,24 @@ def _island(m, out, steps, board, extra=()):
             f"--out={out}",
         ],
         out,
+        start,
     )
 
 
-def _job(out, steps, *, grace, timeout=120, extra=()):
-    board = _board(free_port(), grace, timeout)
-    coordinator = _popen(["coordinate", f"--replicas={M}", *board, f"--out={out}"], out)
-    islands = [_island(m, out, steps, board, extra) for m in range(M)]
+def _job(out, steps, *, grace, timeout=120, extra=(), net=None, board_flags=()):
+    """The coordinator and M islands over loopback, or each process in its own
+    namespace of `net` (a `benchmarks.wan.Wan`: the coordinator is node 0, island m
+    node m + 1)."""
+
+    def start(node):
+        return subprocess.Popen if net is None else functools.partial(net.popen, node)
+
+    host = "127.0.0.1" if net is None else net.ip(0)
+    board = [*_board(free_port(), grace, timeout, host), *board_flags]
+    coordinator = _popen(
+        ["coordinate", f"--replicas={M}", *board, f"--out={out}"], out, start(0)
+    )
+    islands = [_island(m, out, steps, board, extra, start(m + 1)) for m in range(M)]
     return coordinator, islands, board
 
 
@@ -215,16 +226,11 @@ def test_a_cut_link_leaves_the_island_out_then_it_takes_part_again(tmp_path):
     # not taken for a failure.
     steps, grace, cut_at, cut_s = 1200, 8.0, 60, 12.0
     with wan.Wan(M + 1) as net:
-
-        def popen(node, argv):  # process `node` in its own namespace
-            return _popen(argv, tmp_path, functools.partial(net.popen, node))
-
-        board = [*_board(free_port(), grace, 120, net.ip(0)), "--heartbeat=60"]
-        out = f"--out={tmp_path}"
-        procs = [popen(0, ["coordinate", f"--replicas={M}", *board, out])]
-        for m in range(M):
-            argv = ["train", *FLAGS, f"--steps={steps}", f"--replica={m}", *board]
-            procs.append(popen(m + 1, [*argv, out]))
+        flags = ["--heartbeat=60"]
+        coordinator, islands, _ = _job(
+            tmp_path, steps, grace=grace, net=net, board_flags=flags
+        )
+        procs = [coordinator, *islands]
         deadline = time.monotonic() + 300
         while _step(tmp_path, 1) < cut_at and time.monotonic() < deadline:
             assert all(p.poll() is None for p in procs)

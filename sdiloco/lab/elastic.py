@@ -13,8 +13,8 @@ share of the global batch (`data.replica_batches`, indexed by the step count), a
 an exchange over the board: posted and moved by a `Courier` while the next τ steps
 compute (`BoardPosted`, `BoardTransport`) when τ >= 1, inside the sending step
 (`board_exchange`) for DiLoCo. Its compiled programs are kept in JAX's persistent
-cache (`train.enable_compile_cache`), so a restarted island loads them. At the end it scores θ_g on the
-held-out set, like `train.run`, and writes `out/island-<m>.json` (its summary) and
+cache (`train.enable_compile_cache`), so a restarted island loads them. At the end
+it scores θ_g on the held-out set, like `train.run`, and writes `out/island-<m>.json` (its summary) and
 `out/island-<m>.eqx` (θ_g, `eqx.tree_serialise_leaves`); `out/island-<m>.step` says
 how far it is. An island knows it was restarted by the key `joined/<m>` it left on
 the board the first time.
