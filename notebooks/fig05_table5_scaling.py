@@ -28,8 +28,11 @@
 # outer rounds (H = steps / 50; the paper's runs have hundreds of rounds: the gap
 # against the number of rounds is in the `hyperparameter_sweep` notebook), every
 # method scored on every held-out window (`experiments.REGIME`). The warmup is tuned
-# only at tiny-xs (half the steps for every method); the other sizes use the budget's
-# default of a sixth of the steps for every method (`config.DEFAULT_WARMUP_FRACTION`).
+# per method at tiny-xxxs, tiny-xxs and tiny-xs (`hyperparameter_sweep`: half the steps
+# for 7 of those 9, a quarter for Data-Parallel and 7/8 for DiLoCo at tiny-xxs); at
+# tiny-s it is not tuned (a trial there takes 8-16 min on our 2 cores) and is the
+# budget's default of a sixth of the steps for every method
+# (`config.DEFAULT_WARMUP_FRACTION`).
 # Three seeds; the gaps are seed-paired with a 95 % interval. The paper's "H = 30"
 # variant of Streaming (more rounds) is in Table 6. The slope is the least-squares fit
 # of log(loss) on log(flops), as in the paper. The tiny-xs runs are the one-set
