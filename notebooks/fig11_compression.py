@@ -20,10 +20,11 @@
 # value dropping degrades it; the final method therefore sends E3M0.
 #
 # **Here.** Streaming DiLoCo with overlapped communication (τ = 1, α = 0.5) on
-# `tiny-xs` (82,528 parameters), M = 2, at the tuned regime: 20 tokens per parameter,
-# 50 outer rounds (H = 32), the final method's tuned settings
-# (`config.TUNED["streaming_overlap_fp4"]`) with only the compressor changed; three
-# seeds, read as seed-paired differences to FP32 with a 95 % interval. The x-axis is
+# `tiny-xs` (82,528 parameters), M = 2, at the one regime of the re-run notebooks
+# (`experiments.REGIME`): 20 tokens per parameter, 50 outer rounds (H = 32), the final
+# method's tuned settings (`config.TUNED["streaming_overlap_fp4"]`, its tuned warmup
+# included) with only the compressor changed, every run scored on all 6,912 held-out
+# windows; three seeds, read as seed-paired differences to FP32 with a 95 % interval. The x-axis is
 # the exact number of bits one replica puts on the wire per parameter per sync (from
 # the library's bit accounting: scales, indices and seeds included), so value-dropping
 # and float formats share one axis. FedDropout and DARE drop a random subset (DARE
@@ -51,7 +52,7 @@ if plotting.FAST:
 # %%
 configs = {
     name: ex.setup(
-        "streaming_overlap_fp4", regime=ex.REGIME_PER_BATCH, method={"quantizer": fmt}
+        "streaming_overlap_fp4", regime=ex.REGIME, method={"quantizer": fmt}
     )
     for name, fmt in FORMATS.items()
 }
@@ -59,7 +60,7 @@ for name, kind in SPARSIFIERS.items():
     for rate in RATES:
         configs[f"{name}|{rate}"] = ex.setup(
             "streaming_overlap_fp4",
-            regime=ex.REGIME_PER_BATCH,
+            regime=ex.REGIME,
             method={"quantizer": None, "sparsifier": kind, "drop_rate": rate},
         )
 results = ex.run_all(configs, SEEDS)
