@@ -51,9 +51,7 @@ if plotting.FAST:
 
 # %%
 configs = {
-    name: ex.setup(
-        "streaming_overlap_fp4", regime=ex.REGIME, method={"quantizer": fmt}
-    )
+    name: ex.setup("streaming_overlap_fp4", regime=ex.REGIME, method={"quantizer": fmt})
     for name, fmt in FORMATS.items()
 }
 for name, kind in SPARSIFIERS.items():
