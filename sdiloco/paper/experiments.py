@@ -10,7 +10,8 @@ FAST mode (`plotting.FAST`) never reads or writes the cache.
 `setup` builds the standard run: a preset at its tuned settings, at a `Regime` budget
 (tokens per parameter and outer rounds; 20 and 50 by default), evaluated on the
 held-out split; `small_setup` is the pre-tuning standard (320 steps of tiny-s, the
-presets' own values) that the notebooks not yet re-run still use.
+presets' own values) that the notebooks used before they were re-run at the tuned
+regime (no notebook uses it now).
 
 `summarize` reduces results to mean ± standard deviation over seeds (plus min and max),
 which is what every learning table reports; `paired_gap` gives the seed-paired
@@ -54,8 +55,9 @@ REGIME_PER_BATCH: Regime = (
 )
 """The standard budget as the records made before the fixed evaluation set used it:
 each run scored on 16 of its own batches of held-out windows, warmup a sixth of the
-steps. The notebooks not yet re-run use it so that their records stay readable, and
-their tables say so."""
+steps. Only the tuning protocol's own trials and its first headline
+(`hyperparameter_sweep`) use it now, so that their records stay readable; their
+tables say so."""
 SEEDS: tuple[int, ...] = (0,) if FAST else (0, 1, 2)
 """The seeds of every headline comparison (read as seed-paired differences)."""
 
