@@ -299,3 +299,60 @@ def test_describe_and_t_half_width_are_the_textbook_statistics():
     # t(0.975, 2 degrees of freedom) = 4.303: the half-width of a 95 % interval.
     assert ex.t_half_width(values) == pytest.approx(4.303 * 1.5275252 / math.sqrt(3))
     assert ex.t_half_width([2.5]) == 0.0 and ex.describe([2.5])["std"] == 0.0
+
+
+@pytest.mark.parametrize(
+    "df, printed",  # Student's t at 97.5 %, from a printed table (4 decimals)
+    [
+        (1, 12.7062),
+        (2, 4.3027),
+        (9, 2.2622),
+        (13, 2.1604),
+        (30, 2.0423),
+        (31, 2.0395),
+        (40, 2.0211),
+        (60, 2.0003),
+        (120, 1.9799),
+        (1000, 1.9623),
+    ],
+)
+def test_t975_matches_the_printed_table(df, printed):
+    assert ex.t975(df) == pytest.approx(printed, abs=6e-4)
+
+
+def test_t_half_width_uses_t_beyond_eight_values():
+    values = [float(v) for v in range(15)]  # 14 degrees of freedom: t = 2.145
+    expected = 2.1448 * ex.describe(values)["std"] / math.sqrt(15)
+    assert ex.t_half_width(values) == pytest.approx(expected, rel=1e-3)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.floats(-3, 3), min_size=3, max_size=20),
+    st.floats(-2, 2),
+    st.integers(0, 2**31 - 1),
+)
+def test_trend_is_the_least_squares_slope_with_its_t_interval(xs, slope, seed):
+    """Against numpy's own fit: `polyfit`'s slope and its covariance (scaled by the
+    residuals over n − 2), times t at n − 2 degrees of freedom."""
+    import numpy as np
+
+    x = np.asarray(xs)
+    if np.ptp(x) < 1e-3:
+        with pytest.raises(ValueError, match="varying x"):
+            ex.trend(x, x)
+        return
+    y = slope * x + np.random.default_rng(seed).normal(0, 0.1, x.size)
+    t = ex.trend(x, y)
+    coef, cov = np.polyfit(x, y, 1, cov="unscaled")
+    residual = y - np.polyval(coef, x)
+    se = math.sqrt(cov[0, 0] * (residual @ residual) / (x.size - 2))
+    assert t["slope"] == pytest.approx(coef[0], rel=1e-6, abs=1e-9)
+    half = ex.t975(x.size - 2) * se
+    assert t["high"] - t["slope"] == pytest.approx(half, rel=1e-6, abs=1e-9)
+    assert t["slope"] - t["low"] == pytest.approx(half, rel=1e-6, abs=1e-9)
+
+
+def test_trend_rejects_too_few_points():
+    with pytest.raises(ValueError, match=">= 3 points"):
+        ex.trend([0.0, 1.0], [0.0, 1.0])

@@ -171,6 +171,7 @@ TINY_SCALES: dict[str, ModelConfig] = {
     "tiny-xxxs": _tiny(8, 6, 1, 64),  # 6,856 params
     "tiny-xxs": _tiny(16, 6, 1, 64),  # 22,928 params
     "tiny-xs": _tiny(32, 6, 2, 64),  # 82,528
+    "tiny-xs+": _tiny(40, 6, 2, 64),  # 126,200; a rung between tiny-xs and tiny-s
     "tiny-s": _tiny(64, 6, 2, 64),  # 312,512
     "tiny-m": _tiny(96, 6, 2, 64),  # 689,952
     "tiny-l": _tiny(128, 6, 4, 64),  # 1,214,464
