@@ -30,9 +30,12 @@
 # method scored on every held-out window (`experiments.REGIME`). The warmup is tuned
 # per method at tiny-xxxs, tiny-xxs and tiny-xs (`hyperparameter_sweep`: half the steps
 # for 7 of those 9, a quarter for Data-Parallel and 7/8 for DiLoCo at tiny-xxs); at
-# tiny-s it is not tuned (a trial there takes 8-16 min on our 2 cores) and is the
-# budget's default of a sixth of the steps for every method
-# (`config.DEFAULT_WARMUP_FRACTION`).
+# tiny-xs+ and tiny-s it is not tuned yet (a trial there takes 5-6 and 8-16 min on our
+# 2 cores) and is the budget's default of a sixth of the steps for every method
+# (`config.DEFAULT_WARMUP_FRACTION`). tiny-xs+ (width 40, 126,200 parameters) is the
+# rung added between tiny-xs and tiny-s so that the size trend rests on more than its
+# largest point; the table's last part fits the gap against log size on every size
+# and again without the largest.
 # Three seeds; the gaps are seed-paired with a 95 % interval. The paper's "H = 30"
 # variant of Streaming (more rounds) is in Table 6. The slope is the least-squares fit
 # of log(loss) on log(flops), as in the paper. The tiny-xs runs are the one-set
@@ -136,6 +139,37 @@ slope_rows = [
     }
     for m, v in slopes.items()
 ]
+
+
+def gap_trend(method: str, sizes: tuple[str, ...]) -> dict[str, float]:
+    """The seed-paired gap to Data-Parallel (% of its mean loss), one point per size
+    and seed, fitted against log10(parameters): the change of the gap per 10x."""
+    x, y = [], []
+    for size in sizes:
+        dp = ex.finals(results, f"Data-Parallel|{size}")
+        other = ex.finals(results, f"{method}|{size}")
+        x += [np.log10(model_lib.preset(size).num_params())] * len(dp)
+        y += [100 * (o - d) / np.mean(dp) for d, o in zip(dp, other)]
+    return ex.trend(x, y)
+
+
+trend_rows = []
+if len(SEEDS) > 1:  # FAST: one seed, too few points for an interval
+    fits = {"every size": SIZES, f"without {SIZES[-1]}": SIZES[:-1]}
+    for method in METHODS:
+        for label, sizes in fits.items():
+            if method == "Data-Parallel" or len(sizes) < 2:
+                continue
+            t = gap_trend(method, sizes)
+            trend_rows.append(
+                {
+                    "Method": method,
+                    "sizes": f"{label} ({len(sizes)})",
+                    "gap change per 10x parameters (points of %)": f"{t['slope']:+.2f}",
+                    "95 % interval": f"[{t['low']:+.2f}, {t['high']:+.2f}]",
+                    "points (size × seed)": t["n"],
+                }
+            )
 paper_rows = [
     {"Paper size": size, **{m: v[i] for m, v in PAPER.items()}}
     for i, size in enumerate(PAPER_SIZES)
@@ -152,6 +186,11 @@ plotting.save_table(
         "interval in nats/byte]. The paper's Streaming FP4 row here is its H = 100 "
         "(ours: 50 rounds); its H = 30 variant is in Table 6.\n\n"
         + plotting.markdown_table(slope_rows)
+        + "\n\nThe gap's trend with size: the least-squares slope of the seed-paired "
+        "gap (% of Data-Parallel's loss; one point per size and seed) against "
+        "log10(parameters), with its 95 % t-interval (`experiments.trend`), on every "
+        "size and without the largest:\n\n"
+        + (plotting.markdown_table(trend_rows) if trend_rows else "(one seed: none)")
         + "\n\nThe paper's Table 5 (eval loss on C4):\n\n"
         + plotting.markdown_table(paper_rows)
     ),
@@ -159,9 +198,12 @@ plotting.save_table(
     config=configs,
     seeds=SEEDS,
     slopes=slopes,
+    gap_trends=trend_rows,
 )
 print(plotting.markdown_table(rows))
 print(plotting.markdown_table(slope_rows))
+if trend_rows:
+    print(plotting.markdown_table(trend_rows))
 
 # %%
 colors = dict(zip(METHODS, ("tab:blue", "tab:orange", "tab:red")))
@@ -220,7 +262,24 @@ axes[1].legend(fontsize=8)
 fig.suptitle(
     "Fig. 5: scaling (HellaSwag, panel (b) of the paper, is not computable offline)"
 )
-fig.tight_layout()
+untuned_warmup = [
+    s
+    for s in SIZES
+    if any(
+        "inner.warmup_fraction" not in config_lib.TUNED[p].get(s, {})
+        for p in METHODS.values()
+    )
+]
+if untuned_warmup:
+    fig.text(
+        0.5,
+        0.005,
+        f"Warmup tuned per method at every size but {', '.join(untuned_warmup)} "
+        "(there a sixth of the steps for every method).",
+        ha="center",
+        fontsize=8,
+    )
+fig.tight_layout(rect=(0, 0.03, 1, 1))
 plotting.save_figure(
     fig,
     "fig05_scaling",

@@ -42,13 +42,29 @@ from sdiloco.paper import experiments as ex, plotting, tuning
 plotting.style()
 NOTEBOOK = "hyperparameter_sweep"
 FAST = plotting.FAST
-# Sizes whose sweep is complete; a larger one is swept with
+# Sizes whose sweep is complete; a new one is swept with
 # `python -m sdiloco.paper.tuning MODEL` (its trials are recorded as they finish, over
 # as many sessions as it takes) and added here when done.
-SIZES = ("tiny-xxs",) if FAST else ("tiny-xxxs", "tiny-xxs", "tiny-xs", "tiny-s")
+SIZES = (
+    ("tiny-xxs",)
+    if FAST
+    else ("tiny-xxxs", "tiny-xxs", "tiny-xs", "tiny-xs+", "tiny-s")
+)
+# The first four sizes were swept when a trial scored 16 of its own batches and warmed
+# up for a sixth of the steps (`ex.REGIME_PER_BATCH`); tiny-xs+ was swept later, as
+# the CLI sweeps now: every validation window scored, the warmup a sixth of the steps
+# as a fraction (`ex.REGIME`). The budget (tokens per parameter, rounds) is the same.
 REGIME = (
     tuning.Regime(0.5, 4, evals=1, eval_windows=32) if FAST else ex.REGIME_PER_BATCH
 )
+SWEPT_ON_EVERY_WINDOW = () if FAST else ("tiny-xs+",)
+
+
+def regime_of(size):
+    """The budget and the scoring a size's trials were run at."""
+    return ex.REGIME if size in SWEPT_ON_EVERY_WINDOW else REGIME
+
+
 SEEDS = (0,)
 
 
@@ -64,7 +80,7 @@ def axes(preset):
 ex.enable_compile_cache()
 searches = {
     (size, name): tuning.tune(
-        preset, size, regime=REGIME, seeds=SEEDS, axes=axes(preset)
+        preset, size, regime=regime_of(size), seeds=SEEDS, axes=axes(preset)
     )
     for size in SIZES
     for name, preset in tuning.PRESETS.items()
@@ -105,6 +121,9 @@ for (size, name), search in searches.items():
                 1,
             ),
             "validation loss": round(min(t.mean for t in search.trials), 4),
+            "scored on": (
+                "every window" if size in SWEPT_ON_EVERY_WINDOW else "16 batches"
+            ),
             "trials": len({t.config.to_json() for t in search.trials}),
         }
     )
@@ -116,7 +135,8 @@ plotting.save_table(
         f"Budget: {REGIME.tokens_per_param:g} tokens per parameter, "
         f"{REGIME.rounds} outer rounds for the DiLoCo family. Protocol: "
         "`sdiloco.paper.tuning.standard_axes`, swept in order by "
-        "`coordinate_search`. Validation loss in nats/byte."
+        "`coordinate_search`. Validation loss in nats/byte, scored on 16 of the "
+        "run's own batches (the sizes swept first) or on every validation window."
     ),
     notebook=NOTEBOOK,
     config={f"{s}|{n}": x.best for (s, n), x in searches.items()},
@@ -299,7 +319,13 @@ print(plotting.markdown_table(rounds_rows))
 
 # %%
 fig, (ax, ax_r) = plt.subplots(1, 2, figsize=(10.0, 3.8), sharey=True)
-markers = {"tiny-xxxs": "v", "tiny-xxs": "o", "tiny-xs": "s", "tiny-s": "D"}
+markers = {
+    "tiny-xxxs": "v",
+    "tiny-xxs": "o",
+    "tiny-xs": "s",
+    "tiny-xs+": "p",
+    "tiny-s": "D",
+}
 
 
 def gap_bar(ax, x, r, color):
@@ -387,14 +413,15 @@ plotting.save_figure(
 #
 # The protocol's axes above leave the schedule at a warmup of a sixth of the steps. The
 # warmup (as a fraction of the steps) joins them as the last axis, for every method
-# with the same grid ({1/32, 1/16, 1/8, 1/4, 1/2}, extended past its edges: 3/4 above)
-# and the same budget, from each method's tuned settings, on the validation split,
-# one seed, every validation window scored (`tuning.tune_warmup`). Swept at every
-# tuned size but tiny-s (tiny-xxxs, tiny-xxs, tiny-xs: 5-7 trials per method and size;
-# at tiny-s a trial takes 8-16 min on our 2 cores, so its warmup stays a sixth of the
-# steps, and every tiny-s row says so); the chosen fractions go into
-# `sdiloco/lab/tuned.json`, which `experiments.setup` and the CLI's `--tokens-per-param`
-# read.
+# with the same grid ({1/32, 1/16, 1/8, 1/4, 1/2}, extended past its upper edge to 3/4
+# and 7/8) and the same budget, from each method's tuned settings, on the validation
+# split, one seed, every validation window scored (`tuning.tune_warmup`). Swept at
+# tiny-xxxs, tiny-xxs and tiny-xs (5-7 trials per method and size). Not yet at tiny-xs+
+# and tiny-s (a trial there takes 5-6 and 8-16 min on our 2 cores; the sweep is
+# `python -m sdiloco.paper.tuning MODEL --warmup`, resumable): their warmup stays a
+# sixth of the steps, and every row of theirs says so. The chosen fractions go into
+# `sdiloco/lab/tuned.json`, which `experiments.setup` and the CLI's
+# `--tokens-per-param` read.
 
 # %%
 WARMUP_SIZE = "tiny-xxs" if FAST else "tiny-xs"  # the one-set headline's size below
@@ -442,9 +469,9 @@ plotting.save_table(
         "tiny-xxs and 7/8 for DiLoCo at tiny-xxs (the grid's last extension, so its "
         "optimum may lie beyond). The inner learning rates were tuned with a warmup "
         "of a sixth, so a longer warmup partly lowers a rate chosen a little high; a "
-        "second pass over the learning rates at the new warmup would tell. tiny-s is "
-        "not swept (a trial there takes 8-16 min on our 2 cores): its warmup stays a "
-        "sixth of the steps."
+        "second pass over the learning rates at the new warmup would tell. tiny-xs+ "
+        "and tiny-s are not swept yet (a trial there takes 5-6 and 8-16 min on our 2 "
+        "cores): their warmup stays a sixth of the steps."
     ),
     notebook=NOTEBOOK,
     seeds=SEEDS,
