@@ -79,17 +79,6 @@ def test_scaled_regime_keeps_h_and_multiplies_tokens_and_rounds(model, name, fac
     assert abs(longer.steps - factor * base.steps) <= factor
 
 
-def test_small_setup_keeps_the_pretuning_standard():
-    """The notebooks not yet re-run still train (and find the records of) the
-    presets' own values at 320 steps of tiny-s."""
-    config = ex.small_setup("streaming_overlap_fp4")
-    assert config.model == ex.SMALL_MODEL
-    assert config.steps == ex.STEPS
-    assert config.inner.lr == 3e-3 and config.method.outer.lr == 0.4
-    assert config.method.sync_every == ex.paper_h(100)
-    assert config.data.global_batch_size == 16
-
-
 def test_gap_text_is_the_relative_mean_and_the_t_interval_of_the_differences():
     # differences 0.1, 0.3, 0.2: mean 0.2, sd 0.1, half-width t(2, 0.975) = 4.303
     # x 0.1 / sqrt(3) = 0.2484; relative 0.2 / mean(1, 2, 3) = 10 %

@@ -9,9 +9,7 @@ FAST mode (`plotting.FAST`) never reads or writes the cache.
 
 `setup` builds the standard run: a preset at its tuned settings, at a `Regime` budget
 (tokens per parameter and outer rounds; 20 and 50 by default), evaluated on the
-held-out split; `small_setup` is the pre-tuning standard (320 steps of tiny-s, the
-presets' own values) that the notebooks used before they were re-run at the tuned
-regime (no notebook uses it now).
+held-out split.
 
 `summarize` reduces results to mean ± standard deviation over seeds (plus min and max),
 which is what every learning table reports; `paired_gap` gives the seed-paired
@@ -177,60 +175,6 @@ def gap_text(base: Sequence[float], other: Sequence[float]) -> str:
         return f"{100 * (other[0] - base[0]) / base[0]:+.1f} % (one seed)"
     gap = paired_gap(base, other)
     return f"{100 * gap['relative']:+.1f} % [{gap['low']:+.3f}, {gap['high']:+.3f}]"
-
-
-STEPS: int = 12 if FAST else 320
-"""Inner steps of the pre-tuning standard run (`small_setup`): 320 × 16 sequences ×
-64 bytes = 328k tokens, about 1 token per parameter of tiny-s."""
-SMALL_MODEL: str = "tiny-xs" if FAST else "tiny-s"
-"""The pre-tuning standard model (312,512 parameters; tiny-xs in FAST mode)."""
-H_FACTOR: float = 0.04 if FAST else 0.2
-"""In the pre-tuning standard runs (~100x shorter than the paper's) H is scaled: the
-paper's H = 100 becomes 20 (16 rounds in 320 steps) and H = 30 becomes 6."""
-
-
-def paper_h(h: int) -> int:
-    """Our H for the paper's H in the pre-tuning standard runs (`round(h * H_FACTOR)`,
-    at least 2)."""
-    return max(2, round(h * H_FACTOR))
-
-
-def small_setup(name: str, **changes: Any) -> RunConfig:
-    """The pre-tuning standard: a preset's own values at about 1 token per parameter.
-
-    The notebooks not yet re-run at the tuned regime (`setup`) use it, so that their
-    recorded runs stay valid. Sets the model (`SMALL_MODEL`), `STEPS`, H =
-    `paper_h(100)` for the DiLoCo family, a warmup of a sixth of the steps, 8
-    evaluations per run (each of 8 of the run's own batches of held-out windows, 2 in
-    FAST mode: the old evaluation, `PerBatch`), and keeps the presets' own
-    hyper-parameters (`preset(..., tuned=False)`: inner lr 3e-3, outer lr 0.4 and
-    momentum 0.9, batch 16). `changes` override any of these.
-    """
-    steps = changes.get("steps", STEPS)
-    base: dict[str, Any] = {
-        "model": SMALL_MODEL,
-        "steps": steps,
-        "eval_every": max(1, steps // 8),
-        "log_every": max(1, min(10, steps // 4)),
-        "inner": {"warmup_steps": max(1, steps // 6)},
-    }
-    if name != "data_parallel":
-        base["sync_every"] = changes.pop("sync_every", paper_h(100))
-    config = preset(name, tuned=False, **base).replace(**changes)
-    if "eval_windows" in changes:
-        return config
-    return config.replace(eval_windows=PerBatch(2 if FAST else 8).windows(config))
-
-
-def pretuning_label(seeds: Sequence[int], model: str = SMALL_MODEL) -> str:
-    """The label every artifact of the pre-tuning regime carries (`small_setup`)."""
-    n = len(seeds)
-    return (
-        f"Pre-tuning regime (small_setup): the presets' untuned values, {model}, "
-        f"{STEPS} steps, {n} seed{'s' if n != 1 else ''}, each run scored on its own "
-        "batches of held-out windows; differences below about 0.1 nats/byte (the "
-        "seed spread) are not resolved."
-    )
 
 
 @dataclasses.dataclass
