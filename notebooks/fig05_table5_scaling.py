@@ -32,10 +32,10 @@
 # the steps for 8 of those 12, a quarter for Data-Parallel at tiny-xxs and tiny-xs+ and
 # for DiLoCo at tiny-xs+, 7/8 for DiLoCo at tiny-xxs); at tiny-s it is not tuned yet (a
 # trial there takes 8-16 min on our 2 cores) and is the budget's default of a sixth of
-# the steps for every method (`config.DEFAULT_WARMUP_FRACTION`). tiny-xs+ (width 40, 126,200 parameters) is the
-# rung added between tiny-xs and tiny-s so that the size trend rests on more than its
-# largest point; the table's last part fits the gap against log size on every size
-# and again without the largest.
+# the steps for every method (`config.DEFAULT_WARMUP_FRACTION`). tiny-xs+ (width 40,
+# 126,200 parameters) is the rung added between tiny-xs and tiny-s so that the size
+# trend rests on more than its largest point; the table's last part fits the gap
+# against log size on every size and again without the largest.
 # Three seeds; the gaps are seed-paired with a 95 % interval. The paper's "H = 30"
 # variant of Streaming (more rounds) is in Table 6. The slope is the least-squares fit
 # of log(loss) on log(flops), as in the paper. The tiny-xs runs are the one-set
