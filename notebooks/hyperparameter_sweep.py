@@ -32,6 +32,7 @@
 
 # %%
 import dataclasses
+from fractions import Fraction
 
 import matplotlib.pyplot as plt
 
@@ -416,17 +417,18 @@ plotting.save_figure(
 # with the same grid ({1/32, 1/16, 1/8, 1/4, 1/2}, extended past its upper edge to 3/4
 # and 7/8) and the same budget, from each method's tuned settings, on the validation
 # split, one seed, every validation window scored (`tuning.tune_warmup`). Swept at
-# tiny-xxxs, tiny-xxs, tiny-xs and tiny-xs+ (5-7 trials per method and size). Not yet
-# at tiny-s (a trial there takes 8-16 min on our 2 cores; the sweep is
-# `python -m sdiloco.paper.tuning MODEL --warmup`, resumable): its warmup stays a
-# sixth of the steps, and every row at tiny-s says so. The chosen fractions go into
-# `sdiloco/lab/tuned.json`, which `experiments.setup` and the CLI's
+# every tuned size, tiny-xxxs to tiny-s (5-7 trials per method and size; a trial at
+# tiny-s takes 12-20 min on our 2 cores; the sweep is
+# `python -m sdiloco.paper.tuning MODEL --warmup`, resumable). The chosen fractions go
+# into `sdiloco/lab/tuned.json`, which `experiments.setup` and the CLI's
 # `--tokens-per-param` read.
 
 # %%
 WARMUP_SIZE = "tiny-xxs" if FAST else "tiny-xs"  # the one-set headline's size below
 WARMUP_SIZES = (
-    ("tiny-xxs",) if FAST else ("tiny-xxxs", "tiny-xxs", "tiny-xs", "tiny-xs+")
+    ("tiny-xxs",)
+    if FAST
+    else ("tiny-xxxs", "tiny-xxs", "tiny-xs", "tiny-xs+", "tiny-s")
 )
 warmup_axis = (
     tuning.Axis(tuning.WARMUP.field, tuning.WARMUP.values[2:4])
@@ -456,6 +458,38 @@ for (size, name), search in warmups.items():
                 "chosen": "yes" if t.value == chosen else "",
             }
         )
+
+
+def _fraction(value: float) -> str:
+    return str(Fraction(value).limit_denominator(64))
+
+
+# The table's summary, read off the searches: which fraction won how often, and which
+# optima sit at an edge of the values tried (so the optimum may lie beyond).
+winners: dict[str, list[str]] = {}
+at_edge = []
+for (size, name), search in warmups.items():
+    chosen = search.best.inner.warmup_fraction
+    winners.setdefault(_fraction(chosen), []).append(f"{name} at {size}")
+    tried = [t.value for t in search.trials]
+    if chosen in (min(tried), max(tried)):
+        at_edge.append(f"{name} at {size} ({_fraction(chosen)})")
+common = max(winners, key=lambda f: len(winners[f]))
+warmup_summary = (
+    f"The best warmup is {common} of the steps for {len(winners[common])} of the "
+    f"{len(warmups)} method-size pairs; "
+    + "; ".join(
+        f"{f} for {', '.join(pairs)}"
+        for f, pairs in sorted(winners.items(), key=lambda kv: Fraction(kv[0]))
+        if f != common
+    )
+    + ". "
+    + (
+        f"At an edge of the values tried: {', '.join(at_edge)}. "
+        if at_edge
+        else "Every optimum is interior to the values tried. "
+    )
+)
 plotting.save_table(
     warmup_rows,
     "hyperparameter_sweep_warmup",
@@ -466,14 +500,11 @@ plotting.save_table(
         "Each method at its tuned inner lr, outer lr and momentum, and batch; 20 "
         "tokens per parameter and 50 outer rounds; every validation window scored "
         "(standard error about 0.003 nats; one seed, so neighbouring values within "
-        "a few hundredths are not told apart). The best warmup is long: half the "
-        "steps for 8 of the 12 method-size pairs, a quarter for Data-Parallel at "
-        "tiny-xxs and tiny-xs+ and for DiLoCo at tiny-xs+, and 7/8 for DiLoCo at "
-        "tiny-xxs (the grid's last extension, so its optimum may lie beyond). The "
-        "inner learning rates were tuned with a warmup of a sixth, so a longer warmup "
-        "partly lowers a rate chosen a little high; a second pass over the learning "
-        "rates at the new warmup would tell. tiny-s is not swept yet (a trial there "
-        "takes 8-16 min on our 2 cores): its warmup stays a sixth of the steps."
+        "a few hundredths are not told apart). "
+        + warmup_summary
+        + "The inner learning rates were tuned with a warmup of a sixth, so a longer "
+        "warmup partly lowers a rate chosen a little high; a second pass over the "
+        "learning rates at the new warmup would tell."
     ),
     notebook=NOTEBOOK,
     seeds=SEEDS,
