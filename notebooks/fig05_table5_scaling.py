@@ -28,11 +28,9 @@
 # outer rounds (H = steps / 50; the paper's runs have hundreds of rounds: the gap
 # against the number of rounds is in the `hyperparameter_sweep` notebook), every
 # method scored on every held-out window (`experiments.REGIME`). The warmup is tuned
-# per method at tiny-xxxs, tiny-xxs, tiny-xs and tiny-xs+ (`hyperparameter_sweep`: half
-# the steps for 8 of those 12, a quarter for Data-Parallel at tiny-xxs and tiny-xs+ and
-# for DiLoCo at tiny-xs+, 7/8 for DiLoCo at tiny-xxs); at tiny-s it is not tuned yet (a
-# trial there takes 8-16 min on our 2 cores) and is the budget's default of a sixth of
-# the steps for every method (`config.DEFAULT_WARMUP_FRACTION`). tiny-xs+ (width 40,
+# per method and size like the other hyper-parameters (the `hyperparameter_sweep`
+# notebook's warmup table lists every choice: half the steps for most pairs below
+# tiny-s, a quarter or an eighth at tiny-s). tiny-xs+ (width 40,
 # 126,200 parameters) is the rung added between tiny-xs and tiny-s so that the size
 # trend rests on more than its largest point; the table's last part fits the gap
 # against log size on every size and again without the largest.
