@@ -427,11 +427,7 @@ plotting.save_figure(
 
 # %%
 WARMUP_SIZE = "tiny-xxs" if FAST else "tiny-xs"  # the one-set headline's size below
-WARMUP_SIZES = (
-    ("tiny-xxs",)
-    if FAST
-    else ("tiny-xxxs", "tiny-xxs", "tiny-xs", "tiny-xs+", "tiny-s")
-)
+WARMUP_SIZES = SIZES  # every tuned size
 warmup_axis = (
     tuning.Axis(tuning.WARMUP.field, tuning.WARMUP.values[2:4])
     if FAST
@@ -447,9 +443,24 @@ warmups = {
 }
 if not FAST:
     tuning.save_tuned(warmups)
+
+
+def _fraction(value: float) -> str:
+    return str(Fraction(value).limit_denominator(64))
+
+
+# The rows, and the table's summary read off the searches: which fraction won how
+# often, and which optima sit at an edge of the values tried (so the optimum may lie
+# beyond).
 warmup_rows = []
+winners: dict[str, list[str]] = {}
+at_edge = []
 for (size, name), search in warmups.items():
     chosen = search.best.inner.warmup_fraction
+    winners.setdefault(_fraction(chosen), []).append(f"{name} at {size}")
+    tried = [t.value for t in search.trials]
+    if chosen in (min(tried), max(tried)):
+        at_edge.append(f"{name} at {size} ({_fraction(chosen)})")
     for t in sorted(search.trials, key=lambda t: t.value):
         warmup_rows.append(
             {
@@ -460,22 +471,6 @@ for (size, name), search in warmups.items():
                 "chosen": "yes" if t.value == chosen else "",
             }
         )
-
-
-def _fraction(value: float) -> str:
-    return str(Fraction(value).limit_denominator(64))
-
-
-# The table's summary, read off the searches: which fraction won how often, and which
-# optima sit at an edge of the values tried (so the optimum may lie beyond).
-winners: dict[str, list[str]] = {}
-at_edge = []
-for (size, name), search in warmups.items():
-    chosen = search.best.inner.warmup_fraction
-    winners.setdefault(_fraction(chosen), []).append(f"{name} at {size}")
-    tried = [t.value for t in search.trials]
-    if chosen in (min(tried), max(tried)):
-        at_edge.append(f"{name} at {size} ({_fraction(chosen)})")
 common = max(winners, key=lambda f: len(winners[f]))
 warmup_summary = (
     f"The best warmup is {common} of the steps for {len(winners[common])} of the "
