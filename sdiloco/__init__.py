@@ -2,7 +2,8 @@
 
 The public API, re-exported explicitly. Each name lives in a one-concept module:
 fragments (`fragments.py`), the sync schedule (`schedule.py`), outer-gradient
-compressors (`compression/`), the algorithm (`streaming.py`, on the interfaces of
+compressors, composable as stages (`compression/`), how a replica takes in an outer
+step (`merging.py`), the algorithm (`streaming.py`, on the interfaces of
 `base.py`) and its Data-Parallel
 baseline (`data_parallel.py`); who takes part in a step, for elastic training
 (`participation.py`); the step compiled once (`jit.py`); diagnostics of a state
@@ -26,8 +27,12 @@ from .compression import (
     Compressor as Compressor,
     Quantized as Quantized,
     Quantizer as Quantizer,
+    chain as chain,
+    chunked_top_k as chunked_top_k,
     dare as dare,
+    error_feedback as error_feedback,
     fed_dropout as fed_dropout,
+    min_max as min_max,
     quantizer as quantizer,
     top_k as top_k,
 )
@@ -44,6 +49,11 @@ from .fragments import (
     single_fragment as single_fragment,
 )
 from .jit import jit_step as jit_step
+from .merging import (
+    AlphaMerge as AlphaMerge,
+    Eager as Eager,
+    MergePolicy as MergePolicy,
+)
 from .participation import (
     Participation as Participation,
     everyone as everyone,

@@ -86,44 +86,37 @@ def fragment_outer_step(
     Returns:
         The new θ_g and outer state.
     """
-    group, p = visit.group, visit.p
     leaves, treedef = jax.tree.flatten(params)
     s_leaves, s_def = jax.tree.flatten(state)
     mirrors = _param_index(outer, params, state)  # per state leaf: its parameter
-    where = {i: k for k, i in enumerate(group.leaves)}  # parameter -> its piece
-
-    def piece(x: Array, i: int) -> Array:  # p's piece of a leaf shaped like param i
-        if i in where:
-            return memory.fetch(visit.gather_one(where[i], x))
-        return jnp.zeros((0,), x.dtype)
-
-    x = [piece(leaf, i) for i, leaf in enumerate(leaves)]
-    g = [grads[where[i]].astype(a.dtype) if i in where else a for i, a in enumerate(x)]
-    s = [
-        memory.fetch(leaf[p]) if i < 0 else piece(leaf, i)
-        for leaf, i in zip(s_leaves, mirrors)
-    ]
-    updates, new_s = outer.update(
-        jax.tree.unflatten(treedef, g),
-        jax.tree.unflatten(s_def, s),
-        jax.tree.unflatten(treedef, x),
-    )
-    new_x = [
-        (a + u.astype(a.dtype)).astype(a.dtype)
-        for a, u in zip(x, jax.tree.leaves(updates))
-    ]
-
+    where = {i: k for k, i in enumerate(visit.group.leaves)}  # parameter -> piece
+    new_x, new_s = _update(outer, visit, params, state, grads, memory)
     out = list(leaves)
     for i, k in where.items():
         out[i] = visit.scatter_one(k, leaves[i], memory.store(new_x[i]))
     out_s = []
     for leaf, new, i in zip(s_leaves, jax.tree.leaves(new_s), mirrors):
         if i < 0:
-            leaf = leaf.at[p].set(memory.store(new))
+            leaf = leaf.at[visit.p].set(memory.store(new))
         elif i in where:
             leaf = visit.scatter_one(where[i], leaf, memory.store(new))
         out_s.append(leaf)
     return jax.tree.unflatten(treedef, out), jax.tree.unflatten(s_def, out_s)
+
+
+def outer_step_pieces(
+    outer: optax.GradientTransformation,
+    visit: Visit,
+    params: Params,
+    state: optax.OptState,
+    grads: list[Array],
+    memory: GlobalMemory = GlobalMemory(),
+) -> list[Array]:
+    """Fragment p's pieces of θ_g after an outer step on `grads`, with nothing
+    written: neither θ_g nor the outer state changes (the stand-in of
+    `merging.Eager`). The arguments are those of `fragment_outer_step`."""
+    new_x, _ = _update(outer, visit, params, state, grads, memory)
+    return [new_x[i] for i in visit.group.leaves]
 
 
 def merge(
@@ -155,6 +148,44 @@ def merge(
         mixed = (alpha * replica + (1 - alpha) * g).astype(replica.dtype)
     new = jnp.where(ok[None], mixed, g)
     return jnp.where(due, new, replica)
+
+
+def _update(
+    outer: optax.GradientTransformation,
+    visit: Visit,
+    params: Params,
+    state: optax.OptState,
+    grads: list[Array],
+    memory: GlobalMemory,
+) -> tuple[list[Array], optax.OptState]:
+    """The outer step of fragment p on its pieces: the new piece of every parameter
+    leaf (an empty array for a leaf p does not touch) and the new state pieces."""
+    leaves, treedef = jax.tree.flatten(params)
+    s_leaves, s_def = jax.tree.flatten(state)
+    mirrors = _param_index(outer, params, state)
+    where = {i: k for k, i in enumerate(visit.group.leaves)}
+
+    def piece(x: Array, i: int) -> Array:  # p's piece of a leaf shaped like param i
+        if i in where:
+            return memory.fetch(visit.gather_one(where[i], x))
+        return jnp.zeros((0,), x.dtype)
+
+    x = [piece(leaf, i) for i, leaf in enumerate(leaves)]
+    g = [grads[where[i]].astype(a.dtype) if i in where else a for i, a in enumerate(x)]
+    s = [
+        memory.fetch(leaf[visit.p]) if i < 0 else piece(leaf, i)
+        for leaf, i in zip(s_leaves, mirrors)
+    ]
+    updates, new_s = outer.update(
+        jax.tree.unflatten(treedef, g),
+        jax.tree.unflatten(s_def, s),
+        jax.tree.unflatten(treedef, x),
+    )
+    new_x = [
+        (a + u.astype(a.dtype)).astype(a.dtype)
+        for a, u in zip(x, jax.tree.leaves(updates))
+    ]
+    return new_x, new_s
 
 
 def _param_index(

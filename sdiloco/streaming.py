@@ -52,12 +52,14 @@ from jaxtyping import Array, Bool, Int, PRNGKeyArray
 from . import communication, participation as participation_lib
 from ._xla import run_if
 from .base import Algorithm, Exchange, PostedExchange
-from .compression import Compressor, quantizer
+from .compression import Compressor, parse
+from .compression.stages import ErrorFeedback, split_feedback
 from .custom_types import Batch, Metrics, Params, Replicated
 from .fragments import Fragments, check_matches, single_fragment
 from .inflight import Group, Layout, Visit, make_layout
 from .inner import check_batch, inner_steps, replicate
-from .outer import GlobalMemory, fragment_outer_step, merge, outer_init
+from .merging import MergePolicy, merge_policy
+from .outer import GlobalMemory, fragment_outer_step, outer_init, outer_step_pieces
 from .participation import Participation, where_replicas
 from .schedule import NEVER, Schedule, make_schedule
 
@@ -81,14 +83,21 @@ class StreamingState(NamedTuple):
     senders: Int[Array, " P"]  # [P] int32, replicas whose Δ is in that Δ̄ (M: all)
     alive: Bool[Array, " M"]  # [M] bool, who was alive at the last step (elastic)
     steps_since: Int[Array, "M P"]  # inner steps of m since p's last send (weights)
-    residual: Replicated | None  # error feedback, [M, ...] wide dtype; None when off
+    residual: Replicated | None  # the error-feedback stage's, [M, ...] wide; or None
     key: Array  # [2] uint32, root key of stochastic compressors
     # Posted exchange only (None otherwise), K in-flight slots of B bytes:
     outbox: Array | None = None  # [M, K, B] uint8, each replica's packed messages
     inbox: Array | None = None  # [K, M, B] uint8, every replica's, once delivered
     # (an island of an elastic job: every island's, `PostedExchange.inbox_rows`)
+    merge_state: Replicated | None = None  # a stateful merge policy's, [M, ...]
 
-    replica_fields = ("replica_params", "inner_state", "residual", "outbox")
+    replica_fields = (
+        "replica_params",
+        "inner_state",
+        "residual",
+        "outbox",
+        "merge_state",
+    )
     """The fields whose leaves carry the leading replica axis M."""
 
 
@@ -105,14 +114,20 @@ class StreamingSpec(NamedTuple):
     schedule: Schedule
     fragments: Fragments | None
     alpha: float
-    compressor: Compressor | None
-    error_feedback: bool
+    compressor: Compressor | None  # the compressing stages (no error feedback)
+    feedback: ErrorFeedback | None
     nonfinite: str
     has_aux: bool
     exchange: Exchange | PostedExchange
     memory: GlobalMemory = GlobalMemory()
     heal: str = "copy"
     weighting: str = "uniform"
+    merge: MergePolicy | None = None  # None: the α-merge with `alpha`
+
+    @property
+    def policy(self) -> MergePolicy:
+        """The merge policy (`merging`)."""
+        return merge_policy("alpha" if self.merge is None else self.merge, self.alpha)
 
     @property
     def num_replicas(self) -> int:
@@ -174,6 +189,7 @@ def streaming_diloco(
     offload: bool = False,
     heal: str = "copy",
     weighting: str = "uniform",
+    merge: str | MergePolicy = "alpha",
 ) -> Algorithm[StreamingSpec]:
     """Streaming DiLoCo (Alg. 2) with overlapped, compressed fragment syncs.
 
@@ -193,11 +209,13 @@ def streaming_diloco(
         alpha: the mixing factor α in [0, 1] of the merge.
         first_send: f_p >= 1 per fragment; default `H + round(p·H/P)`.
         compressor: applied to each replica's Δ before the exchange (a `quantizer`,
-            `dare`, `top_k`, `fed_dropout`; a format name such as "e3m0" is short for
-            `quantizer(name)`); None sends float32. A stochastic compressor needs the
-            `key` argument of `init`.
-        error_feedback: carry each replica's compression residual into its next send
-            of that fragment (beyond the paper).
+            `dare`, `top_k`, `fed_dropout`, or stages composed with `chain`, which
+            `error_feedback(beta)` may close; a spec string such as "e3m0" or
+            "topk:0.02/64,int2,ef:0.9" is short for `compression.parse(spec)`); None
+            sends float32. A stochastic compressor needs the `key` argument of `init`.
+        error_feedback: True is short for closing the compressor with
+            `error_feedback(1.0)`: carry each replica's compression residual into its
+            next send of that fragment (beyond the paper).
         nonfinite: what to do with a non-finite averaged outer gradient: "skip" (the
             default: skip that fragment's outer step and restore it to θ_g on every
             replica, a failed round), "apply" (no check), "raise" (a runtime error).
@@ -230,6 +248,10 @@ def streaming_diloco(
             steps replica m took since the fragment's last send, so a replica that
             straggled or has just come back counts for the work it did; applied to Δ
             before compression; not with `error_feedback`).
+        merge: how a replica takes in a fragment's outer step (`merging`): "alpha"
+            (the paper's α-merge, the default), "eager" (apply its own outer
+            gradient as a stand-in at the send and swap in the real step on
+            arrival), or any `MergePolicy`.
 
     Returns:
         The `Algorithm`; its `step(state, batch, participation=None)` takes who
@@ -240,9 +262,15 @@ def streaming_diloco(
             value and what is allowed.
     """
     outer = optax.sgd(0.4, momentum=0.9, nesterov=True) if outer is None else outer
-    compressor = _check_options(
+    compressor, feedback = _check_options(
         alpha, nonfinite, compressor, error_feedback, fragments, heal, weighting
     )
+    policy = merge_policy(merge, alpha)
+    if policy.acts_on_send and weighting != "uniform":
+        raise ValueError(
+            f"merge={merge!r} with weighting={weighting!r}; allowed: "
+            "weighting='uniform' (a stand-in is the replica's own, unweighted Δ)."
+        )
     num_fragments = 1 if fragments is None else fragments.num_fragments
     schedule = make_schedule(
         sync_every, num_fragments, num_replicas, overlap, first_send
@@ -256,13 +284,14 @@ def streaming_diloco(
         fragments=fragments,
         alpha=alpha,
         compressor=compressor,
-        error_feedback=error_feedback,
+        feedback=feedback,
         nonfinite=nonfinite,
         has_aux=has_aux,
         exchange=exchange,
         memory=GlobalMemory(offload),
         heal=heal,
         weighting=weighting,
+        merge=None if merge == "alpha" else policy,
     )
 
     def init(params: Params, key: PRNGKeyArray | None = None) -> StreamingState:
@@ -341,10 +370,14 @@ def streaming_init(
     layout = spec.layout(arrays)
     wide = jnp.result_type(*[_wide(x) for x in jax.tree.leaves(arrays)])
     replicas = replicate(params, spec.num_replicas)
-    residual = None
-    if spec.error_feedback:
+    residual = merge_state = None
+    if spec.feedback is not None:
         residual = jax.tree.map(
-            lambda x: jnp.zeros((spec.num_replicas,) + x.shape, _wide(x)), arrays
+            spec.feedback.init, replicate(arrays, spec.num_replicas)
+        )
+    if spec.policy.stateful:
+        merge_state = jax.tree.map(
+            spec.policy.init, replicate(arrays, spec.num_replicas)
         )
     global_params, outer_state = (
         params,
@@ -376,6 +409,7 @@ def streaming_init(
         key=jnp.zeros((2,), jnp.uint32) if key is None else _key_data(key),
         outbox=outbox,
         inbox=inbox,
+        merge_state=merge_state,
     )
 
 
@@ -493,20 +527,32 @@ def heal(
                 lambda c, r: jnp.where(jnp.any(live), c, r), peer, fresh
             )
         replicas = eqx.combine(replicate(g, spec.num_replicas), state.replica_params)
-        residual = state.residual
-        if residual is not None:
-            residual = where_replicas(
-                back, jax.tree.map(jnp.zeros_like, residual), residual
-            )
         return state._replace(
             replica_params=where_replicas(back, replicas, state.replica_params),
             inner_state=where_replicas(back, fresh, state.inner_state),
-            residual=residual,
+            **_fresh_policy_state(spec, state, g, back),
         )
 
     state = run_if(jnp.any(back), restore, state)
     since = jnp.where(back[:, None], 0, state.steps_since)
     return state._replace(alive=alive, steps_since=since)
+
+
+def _fresh_policy_state(
+    spec: StreamingSpec, state: StreamingState, g: Params, back: Array | None = None
+) -> dict[str, Any]:
+    """The error-feedback residual (zero) and the merge policy's state (`init` from
+    θ_g `g`) of the replicas `back` (None: all), as `state._replace` arguments:
+    what a replica that adopts θ_g starts from."""
+    out = {}
+    back = jnp.ones((spec.num_replicas,), bool) if back is None else back
+    if state.residual is not None:
+        zero = jax.tree.map(jnp.zeros_like, state.residual)
+        out["residual"] = where_replicas(back, zero, state.residual)
+    if state.merge_state is not None:
+        fresh = jax.tree.map(spec.policy.init, replicate(g, spec.num_replicas))
+        out["merge_state"] = where_replicas(back, fresh, state.merge_state)
+    return out
 
 
 def inner_update(
@@ -575,43 +621,100 @@ def send(
         count = jnp.sum(weights > 0, axis=0)
 
     def one(v: Visit, inputs, carry):
-        g_leaves, r_leaves, key = inputs
-        slots, ok, residual, outbox = carry
-        deltas = _deltas_sent(spec, v, g_leaves, r_leaves, residual, sends, weights)
+        g_leaves, r_leaves, key, outer = inputs
+        deltas = _deltas_sent(
+            spec, v, g_leaves, r_leaves, carry["residual"], sends, weights
+        )
         frags, key = v.group.piece_fragments(), jr.fold_in(key, v.p)
         if isinstance(spec.exchange, PostedExchange):
             messages, own = spec.exchange.encode(spec.compressor, frags, deltas, key)
-            outbox = _write_message(layout, outbox, v.p, messages)
+            carry["outbox"] = _write_message(layout, carry["outbox"], v.p, messages)
         else:
             mean, own = spec.exchange(spec.compressor, frags, deltas, key)
             if weights is None:
                 mean = participation_lib.over_senders(mean, count, spec.num_replicas)
-            slots = layout.write(slots, v.group, v.p, mean)
-            ok = ok.at[v.p].set(_finite(mean))
-        if residual is not None:
-            errors = [d - q for d, q in zip(deltas, own)]
-            if sends is not None:
-                kept = v.gather(residual, 1)
-                errors = [where_replicas(sends, e, k) for e, k in zip(errors, kept)]
-            residual = v.scatter(residual, errors, axis=1)
-        return slots, ok, residual, outbox
+            carry["slots"] = layout.write(carry["slots"], v.group, v.p, mean)
+            carry["ok"] = carry["ok"].at[v.p].set(_finite(mean))
+        if spec.feedback is not None:
+            errors = [spec.feedback.residual(d, q) for d, q in zip(deltas, own)]
+            carry["residual"] = _scatter_sent(v, carry["residual"], errors, sends)
+        if spec.policy.acts_on_send:
+            carry = _on_send(spec, v, carry, outer, own, sends)
+        return carry
 
     key = jr.fold_in(state.key, t)
-    inputs = (_leaves(state.global_params), _leaves(state.replica_params), key)
-    residual = None if state.residual is None else jax.tree.leaves(state.residual)
-    carry = (state.inflight, state.inflight_ok, residual, state.outbox)
+    g_tree = eqx.filter(state.global_params, eqx.is_inexact_array)
+    replicas, static = eqx.partition(state.replica_params, eqx.is_inexact_array)
+    outer = (g_tree, state.outer_state) if spec.policy.acts_on_send else None
+    inputs = (_leaves(g_tree), jax.tree.leaves(replicas), key, outer)
+    carry = {
+        "slots": state.inflight,
+        "ok": state.inflight_ok,
+        "residual": _maybe_leaves(state.residual),
+        "outbox": state.outbox,
+        "replicas": jax.tree.leaves(replicas) if spec.policy.acts_on_send else None,
+        "merge_state": _maybe_leaves(state.merge_state),
+    }
     sent = jnp.asarray(spec.schedule.sent(t))
-    slots, ok, residual, outbox = layout.for_each(sent, one, carry, inputs)
-    if residual is not None:
-        residual = jax.tree.unflatten(jax.tree.structure(state.residual), residual)
+    carry = layout.for_each(sent, one, carry, inputs)
+    if carry["replicas"] is not None:
+        replicas = jax.tree.unflatten(jax.tree.structure(replicas), carry["replicas"])
+        state = state._replace(replica_params=eqx.combine(replicas, static))
     return state._replace(
-        inflight=slots,
-        inflight_ok=ok,
+        inflight=carry["slots"],
+        inflight_ok=carry["ok"],
         sent_at=jnp.where(sent, t, state.sent_at),
         senders=jnp.where(sent, count.astype(jnp.int32), state.senders),  # [P] or []
         steps_since=jnp.where(sent[None, :], 0, state.steps_since),
-        residual=residual,
-        outbox=outbox,
+        residual=_maybe_tree(state.residual, carry["residual"]),
+        outbox=carry["outbox"],
+        merge_state=_maybe_tree(state.merge_state, carry["merge_state"]),
+    )
+
+
+def _on_send(spec, v, carry, outer, own, sends):
+    """The merge policy's `on_send` for fragment `v` (a stand-in, for `Eager`): the
+    replicas' pieces and the policy's state, left as they were for a replica not
+    sending. `outer` is θ_g and the outer state."""
+    params, outer_state = outer
+    replicas = v.gather(carry["replicas"], 1)
+    kept = None if carry["merge_state"] is None else v.gather(carry["merge_state"], 1)
+
+    def standin() -> list[Array]:
+        def one(grads):
+            return outer_step_pieces(
+                spec.outer, v, params, outer_state, grads, spec.memory
+            )
+
+        return jax.vmap(one)(own)
+
+    new, policy_state = spec.policy.on_send(replicas, standin, kept)
+    carry["replicas"] = _scatter_sent(v, carry["replicas"], new, sends)
+    if policy_state is not None:
+        carry["merge_state"] = _scatter_sent(
+            v, carry["merge_state"], policy_state, sends
+        )
+    return carry
+
+
+def _scatter_sent(
+    v: Visit, leaves: list[Array], pieces: list[Array], sends: Array | None
+) -> list[Array]:
+    """`leaves` `[M, ...]` with fragment `v`'s pieces set to `pieces`, except for a
+    replica that did not send, which keeps its own."""
+    if sends is not None:
+        kept = v.gather(leaves, 1)
+        pieces = [where_replicas(sends, x, k) for x, k in zip(pieces, kept)]
+    return v.scatter(leaves, pieces, axis=1)
+
+
+def _maybe_leaves(tree: Any) -> list[Array] | None:
+    return None if tree is None else jax.tree.leaves(tree)
+
+
+def _maybe_tree(like: Any, leaves: list[Array] | None) -> Any:
+    return (
+        None if like is None else jax.tree.unflatten(jax.tree.structure(like), leaves)
     )
 
 
@@ -704,23 +807,31 @@ def merge_arrivals(
     if alive is not None:
         merging = merging & alive[:, None]
     keep = (state.inflight_ok | (spec.nonfinite == "apply")) & (state.senders > 0)
-    layout = spec.layout(state.global_params)
+    layout, policy = spec.layout(state.global_params), spec.policy
     replicas, static = eqx.partition(state.replica_params, eqx.is_inexact_array)
     r_leaves, r_def = jax.tree.flatten(replicas)
 
-    def one(v: Visit, g_leaves, r_leaves):
-        due, ok = merging[:, v.p], keep[v.p]
+    def one(v: Visit, g_leaves, carry):
+        (r_leaves, s_leaves), due, ok = carry, merging[:, v.p], keep[v.p]
 
-        def mix(r: Array, g: Array) -> Array:  # a piece (or a row) of each
+        def mix(r: Array, g: Array, s: Array | None = None):  # a piece (or a row)
             g = spec.memory.fetch(g)
-            return merge(r, g, due.reshape((-1,) + (1,) * g.ndim), ok, spec.alpha)
+            return policy.on_arrival(r, g, due.reshape((-1,) + (1,) * g.ndim), ok, s)
 
-        return v.update(r_leaves, g_leaves, mix, axis=1)
+        if not policy.stateful:
+            return v.update(r_leaves, g_leaves, lambda r, g: mix(r, g)[0], 1), None
+        pieces = zip(v.gather(r_leaves, 1), v.gather(g_leaves), v.gather(s_leaves, 1))
+        new_r, new_s = zip(*[mix(r, g, s) for r, g, s in pieces])
+        return v.scatter(r_leaves, list(new_r), 1), v.scatter(s_leaves, list(new_s), 1)
 
     arriving = spec.schedule.arriving(state.step, state.sent_at)
-    r_leaves = layout.for_each(arriving, one, r_leaves, _leaves(state.global_params))
+    carry = (r_leaves, _maybe_leaves(state.merge_state))
+    r_leaves, s_leaves = layout.for_each(
+        arriving, one, carry, _leaves(state.global_params)
+    )
     replicas = eqx.combine(jax.tree.unflatten(r_def, r_leaves), static)
-    return state._replace(replica_params=replicas), merging
+    merge_state = _maybe_tree(state.merge_state, s_leaves)
+    return state._replace(replica_params=replicas, merge_state=merge_state), merging
 
 
 def _check_options(
@@ -731,27 +842,35 @@ def _check_options(
         raise ValueError(f"heal={heal!r}; allowed: {HEAL_POLICIES}.")
     if weighting not in WEIGHTINGS:
         raise ValueError(f"weighting={weighting!r}; allowed: {WEIGHTINGS}.")
-    if weighting == "tokens" and error_feedback:
-        raise ValueError(
-            "weighting='tokens' with error_feedback=True; allowed: one of the two "
-            "(the residual of a reweighted Δ is not the replica's own)."
-        )
     if not 0 <= alpha <= 1:
         raise ValueError(f"alpha={alpha!r}; must be in [0, 1].")
     if nonfinite not in NONFINITE_POLICIES:
         raise ValueError(f"nonfinite={nonfinite!r}; allowed: {NONFINITE_POLICIES}.")
     if isinstance(compressor, str):
-        compressor = quantizer(compressor)
+        compressor = parse(compressor)
     if compressor is not None and not isinstance(compressor, Compressor):
         raise ValueError(
             f"compressor={compressor!r} is not a Compressor; build one with "
-            "sdiloco.quantizer(...), dare(...), top_k(...) or fed_dropout(...)."
+            "sdiloco.quantizer(...), chain(...), top_k(...) or a spec string."
         )
-    if error_feedback and compressor is None:
+    codec, feedback = split_feedback(compressor)
+    if error_feedback and codec is None:
         raise ValueError("error_feedback=True needs a compressor; got compressor=None.")
+    if error_feedback and feedback is not None:
+        raise ValueError(
+            "error_feedback=True with a compressor that ends in error_feedback(...); "
+            "allowed: one of the two."
+        )
+    if error_feedback:
+        feedback = ErrorFeedback(1.0)
+    if weighting == "tokens" and feedback is not None:
+        raise ValueError(
+            "weighting='tokens' with error_feedback=True; allowed: one of the two "
+            "(the residual of a reweighted Δ is not the replica's own)."
+        )
     if fragments is not None and not isinstance(fragments, Fragments):
         raise ValueError(f"fragments={fragments!r} is not a Fragments.")
-    return compressor
+    return codec, feedback
 
 
 def _deltas_sent(
@@ -767,8 +886,9 @@ def _deltas_sent(
     error-feedback residual, zero for a replica not sending, scaled by its token
     weight `M·w_m / Σw` (so that the exchange's mean is the weighted mean)."""
     deltas = _outer_gradients(spec, v, g_leaves, r_leaves)
-    if residual is not None:  # error feedback: what the last sends left out
-        deltas = [d + e for d, e in zip(deltas, v.gather(residual, 1))]
+    if spec.feedback is not None:  # error feedback: what the last sends left out
+        residual = v.gather(residual, 1)
+        deltas = [spec.feedback.accumulate(d, e) for d, e in zip(deltas, residual)]
     if sends is not None:  # nothing of a replica that does not send
         deltas = [where_replicas(sends, d, jnp.zeros_like(d)) for d in deltas]
     if weights is not None:

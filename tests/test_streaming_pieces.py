@@ -42,7 +42,7 @@ def _setup(num_replicas, overlap, alpha, seed, compressor=None, first_send=(2, 3
         fragments=frags,
         alpha=alpha,
         compressor=compressor,
-        error_feedback=False,
+        feedback=None,
         nonfinite="skip",
         has_aux=False,
         exchange=simulated_exchange,
@@ -200,6 +200,7 @@ def test_state_declares_its_replica_fields():
         "inner_state",
         "residual",
         "outbox",
+        "merge_state",
     )
     for name in sdiloco.replica_fields(state):
         for x in jax.tree.leaves(getattr(state, name)):

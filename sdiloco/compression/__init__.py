@@ -7,10 +7,17 @@ One concept per module:
 - `formats`: the value tables of the low-precision formats (E3M0, E2M1, ..., FP8) and
   rounding onto them;
 - `quantizers`: `Quantizer` (per-group amax scaling) and its factory `quantizer`;
-- `sparsifiers`: FedDropout, DARE and Top-K with their factories.
+- `sparsifiers`: FedDropout, DARE and Top-K with their factories;
+- `stages`: `chain` (compression as stages), `chunked_top_k`, `min_max` and
+  `error_feedback`;
+- `spec`: `parse`, a readable spec of a compressor ("topk:0.02/64,int2,ef:0.9").
 """
 
-from .base import Compressor as Compressor, Quantized as Quantized
+from .base import (
+    Compressor as Compressor,
+    Quantized as Quantized,
+    message_bits as message_bits,
+)
 from .formats import FORMATS as FORMATS, ROUNDINGS as ROUNDINGS
 from .quantizers import (
     GRANULARITIES as GRANULARITIES,
@@ -24,4 +31,15 @@ from .sparsifiers import (
     dare as dare,
     fed_dropout as fed_dropout,
     top_k as top_k,
+)
+from .spec import parse as parse
+from .stages import (
+    Chain as Chain,
+    ChunkedTopK as ChunkedTopK,
+    ErrorFeedback as ErrorFeedback,
+    MinMax as MinMax,
+    chain as chain,
+    chunked_top_k as chunked_top_k,
+    error_feedback as error_feedback,
+    min_max as min_max,
 )

@@ -12,6 +12,13 @@ on **one tensor**:
   wider (`compute_dtype`).
 * `compressor.bits(shape)` is the exact number of bits one sender puts on the wire for
   a tensor of that shape: the payload plus the metadata (the `*_BITS` constants).
+* `compressor.encode(x, key)` is the message itself: a dict of named arrays (integer
+  codes, indices, float values or scales; a stage of a `chain` may nest the message
+  of the next stage under `"values"`), `compressor.widths(shape)` the bits per
+  element of each field on the wire, and `compressor.decode(message, shape, dtype)`
+  the reconstruction. `decode(encode(x, key))` equals `compressor(x, key)`, and the
+  fields' sizes times their widths add up to `bits(shape)` (`message_bits`). The
+  default sends the dense reconstruction (`"values"`, 32 bits per element).
 
 Callers vmap over replicas and over stacked layers themselves. Everything is jittable
 and vmappable, and a configuration that needs randomness raises `ValueError` at trace
@@ -19,9 +26,11 @@ time when it is given no key (`check_key`).
 """
 
 import abc
-from typing import NamedTuple
+import math
+from typing import Any, NamedTuple
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
@@ -70,6 +79,41 @@ class Compressor(eqx.Module):
     @abc.abstractmethod
     def bits(self, shape: tuple[int, ...]) -> int:
         """Exact bits one sender puts on the wire for one tensor of this shape."""
+
+    def encode(
+        self, x: Float[Array, "*shape"], key: PRNGKeyArray | None = None
+    ) -> dict[str, Any]:
+        """The message of one tensor: named arrays (default: the dense values)."""
+        return {"values": self(x, key).astype(compute_dtype(x.dtype))}
+
+    def decode(
+        self, message: dict[str, Any], shape: tuple[int, ...], dtype: DTypeLike
+    ) -> Float[Array, "*shape"]:
+        """The reconstruction from `encode`'s message (default: the dense values)."""
+        return message["values"].reshape(shape).astype(dtype)
+
+    def widths(self, shape: tuple[int, ...]) -> dict[str, Any]:
+        """Bits per element of each field of the message (float fields: 32, what
+        `bits` counts for them; integer fields: their packed width)."""
+        del shape
+        return {"values": VALUE_BITS}
+
+
+def message_bits(compressor: Compressor, shape: tuple[int, ...]) -> int:
+    """Bits of the message of a float32 tensor of `shape`: every field's size times
+    its width, summed (equal to `compressor.bits(shape)`; the tests check it)."""
+    fields = message_shapes(compressor, shape)
+    widths = jax.tree.leaves(compressor.widths(tuple(shape)))
+    return sum(math.prod(f.shape) * w for f, w in zip(jax.tree.leaves(fields), widths))
+
+
+def message_shapes(
+    compressor: Compressor, shape: tuple[int, ...], dtype: DTypeLike = jnp.float32
+) -> dict[str, Any]:
+    """Shapes and dtypes of the fields of `encode`'s message (nothing computed)."""
+    key = jax.ShapeDtypeStruct((2,), jnp.uint32) if compressor.needs_key else None
+    x = jax.ShapeDtypeStruct(tuple(shape), dtype)
+    return jax.eval_shape(lambda x, key: compressor.encode(x, key), x, key)
 
 
 def check_key(compressor: Compressor, key: PRNGKeyArray | None) -> PRNGKeyArray | None:

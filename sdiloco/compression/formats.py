@@ -24,6 +24,8 @@ FORMATS: tuple[str, ...] = (
     "e2m1",
     "e1m2",
     "int4",
+    "int2",
+    "int8",
     "e4m3",
     "e5m2",
     "bf16",
@@ -39,12 +41,18 @@ BITS_PER_ELEMENT = {
     "e2m1": 4,
     "e1m2": 4,
     "int4": 4,
+    "int2": 2,
+    "int8": 8,
     "e4m3": 8,
     "e5m2": 8,
     "bf16": 16,
     "fp32": 32,
 }
 """Payload bits per element of each format."""
+
+INT_LEVELS = {"int2": 2, "int4": 8, "int8": 128}
+"""The symmetric integer formats -> their number of magnitudes (2-bit is ternary,
+±{0, 1}, the one symmetric grid with a zero in two bits)."""
 
 CAST_FORMATS = {"bf16": 7, "fp32": 23}
 """The plain casts (no scaling, no metadata): format -> mantissa bits."""
@@ -53,8 +61,8 @@ CAST_FORMATS = {"bf16": 7, "fp32": 23}
 @ft.cache
 def magnitudes(format: str) -> np.ndarray:
     """Sorted non-negative values of a scaled format, as float64 (read-only)."""
-    if format == "int4":
-        mags = np.arange(8, dtype=np.float64)
+    if format in INT_LEVELS:  # symmetric integers: ±{0, 1, ..., 2^(b-1) - 1}
+        mags = np.arange(INT_LEVELS[format], dtype=np.float64)
     elif format in ("e3m0", "e2m1", "e1m2"):
         exp_bits, man_bits = int(format[1]), int(format[3])
         bias = {"e3m0": 3, "e2m1": 1, "e1m2": 1}[format]

@@ -17,6 +17,7 @@ Scaling (1) lives here; the value tables and rounding (2, 3) in `formats`.
 """
 
 import math
+from typing import Any
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -93,7 +94,7 @@ class Quantizer(Compressor):
 
     def num_groups(self, shape: tuple[int, ...]) -> int:
         """Number of scaling groups (metadata entries) for a tensor of this shape."""
-        return _group_layout(self, tuple(shape))[0] if self.scaled else 0
+        return group_layout(self, tuple(shape))[0] if self.scaled else 0
 
     def bits(self, shape: tuple[int, ...]) -> int:
         """Exact bits on the wire: numel x bits/element + groups x 32 (float32 amax).
@@ -126,6 +127,23 @@ class Quantizer(Compressor):
         """Round trip `dequantize(quantize(x, key), x.shape, x.dtype)` (Alg. 2 l.8)."""
         return self.dequantize(self.quantize(x, key), x.shape, x.dtype)
 
+    def encode(
+        self, x: Float[Array, "*shape"], key: PRNGKeyArray | None = None
+    ) -> dict[str, Array]:
+        """The message: `{"codes": ..., "scale": ...}` of `quantize`."""
+        return self.quantize(x, key)._asdict()
+
+    def decode(
+        self, message: dict[str, Array], shape: tuple[int, ...], dtype: DTypeLike
+    ) -> Float[Array, "..."]:
+        """`dequantize` of the message."""
+        return self.dequantize(Quantized(**message), shape, dtype)
+
+    def widths(self, shape: tuple[int, ...]) -> dict[str, int]:
+        """Codes at the format's bits per element, scales at 32 bits."""
+        del shape
+        return {"codes": self.bits_per_element, "scale": SCALE_BITS}
+
     def quantize(
         self, x: Float[Array, "*shape"], key: PRNGKeyArray | None = None
     ) -> Quantized:
@@ -147,8 +165,8 @@ class Quantizer(Compressor):
             )
         mags = formats.magnitudes(self.format)
         top = float(mags[-1])
-        num_groups, group_size, numel = _group_layout(self, x.shape)
-        groups = _to_groups(xc.reshape(-1), num_groups, group_size)
+        num_groups, group_size, numel = group_layout(self, x.shape)
+        groups = to_groups(xc.reshape(-1), num_groups, group_size)
         scale = jnp.max(jnp.abs(groups), axis=1, initial=0.0).astype(jnp.float32)
         amax = scale.astype(cdtype)
         # An all-zero group stays zero (its codes are 0 whatever the normaliser). A
@@ -191,9 +209,9 @@ class Quantizer(Compressor):
         # as a table, which XLA cannot rewrite into a multiplication by a rounded 1/M.
         table = formats.signed_table(self.format)
         table = jnp.asarray(table / table[-1], cdtype)
-        num_groups, group_size, numel = _group_layout(self, shape)
+        num_groups, group_size, numel = group_layout(self, shape)
         t = table[q.codes.reshape(-1).astype(jnp.int32)]
-        groups = _to_groups(t, num_groups, group_size)
+        groups = to_groups(t, num_groups, group_size)
         y = groups * q.scale.astype(cdtype)[:, None]
         return y.reshape(-1)[:numel].reshape(shape).astype(dtype)
 
@@ -209,7 +227,8 @@ def quantizer(
 
     Args:
         format: One of `FORMATS`: `"e3m0"` (the paper's FP4, values ±{0, 1/4, …, 16}),
-            `"e2m1"`, `"e1m2"`, `"int4"` (±{0..7}), `"e4m3"` (max 448), `"e5m2"` (max
+            `"e2m1"`, `"e1m2"`, `"int4"` (±{0..7}), `"int2"` (±{0, 1}, ternary in
+            two bits), `"int8"` (±{0..127}), `"e4m3"` (max 448), `"e5m2"` (max
             57344), `"bf16"` or `"fp32"` (plain casts).
         granularity: `"tensor"`, `"row"` or `"block"` scaling groups.
         block_size: Elements per group for `"block"` granularity.
@@ -245,8 +264,9 @@ def _check_choice(field: str, value: object, allowed: tuple[str, ...]) -> None:
         )
 
 
-def _group_layout(q: Quantizer, shape: tuple[int, ...]) -> tuple[int, int, int]:
-    """(num_groups, group_size, numel); groups are padded to group_size."""
+def group_layout(q: Any, shape: tuple[int, ...]) -> tuple[int, int, int]:
+    """(num_groups, group_size, numel) of a compressor with a `granularity` and a
+    `block_size` (a `Quantizer`, a `MinMax`); groups are padded to group_size."""
     numel = math.prod(shape)
     if q.granularity == "row" and len(shape) >= 2:
         return math.prod(shape[:-1]), shape[-1], numel
@@ -255,7 +275,8 @@ def _group_layout(q: Quantizer, shape: tuple[int, ...]) -> tuple[int, int, int]:
     return 1, numel, numel
 
 
-def _to_groups(flat: Array, num_groups: int, group_size: int) -> Array:
+def to_groups(flat: Array, num_groups: int, group_size: int) -> Array:
+    """`flat` as `[num_groups, group_size]`, the last group padded with zeros."""
     pad = num_groups * group_size - flat.shape[0]
     if pad:
         flat = jnp.concatenate([flat, jnp.zeros((pad,), flat.dtype)])

@@ -9,6 +9,7 @@ output even where they would be dropped, so callers can detect them.
 
 import math
 from fractions import Fraction
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -62,6 +63,37 @@ class _RandomSubset(Compressor):
             xc = x.astype(compute_dtype(x.dtype))
             out = jnp.where(keep, xc * factor, jnp.zeros_like(xc)).astype(x.dtype)
         return _pass_nonfinite(x, out)
+
+    def encode(
+        self, x: Float[Array, "*shape"], key: PRNGKeyArray | None = None
+    ) -> dict[str, Array]:
+        """The kept values (rescaled; NaN when any input is not finite) and the
+        64-bit seed the receivers regenerate the subset from."""
+        key = check_key(self, key)
+        assert key is not None  # check_key raised on a missing key
+        seed = (
+            jr.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key
+        )
+        n, k = x.size, _kept(self.rate, x.size)
+        index = _subset_index(seed, n, k)
+        xc = x.reshape(-1).astype(compute_dtype(x.dtype))
+        factor = self._factor(n, k) if n else 1.0
+        values = xc[index] if factor == 1.0 else xc[index] * factor
+        return {"values": poison(x, values), "seed": seed.astype(jnp.uint32)}
+
+    def decode(
+        self, message: dict[str, Array], shape: tuple[int, ...], dtype: Any
+    ) -> Float[Array, "*shape"]:
+        """The kept values at the positions the seed regenerates, zeros elsewhere."""
+        n = math.prod(tuple(shape))
+        index = _subset_index(message["seed"], n, message["values"].shape[0])
+        out = jnp.zeros((n,), message["values"].dtype).at[index].set(message["values"])
+        return out.reshape(shape).astype(dtype)
+
+    def widths(self, shape: tuple[int, ...]) -> dict[str, int]:
+        """Values at 32 bits, the seed as two 32-bit words."""
+        del shape
+        return {"values": VALUE_BITS, "seed": SEED_BITS // 2}
 
 
 class FedDropout(_RandomSubset):
@@ -145,6 +177,26 @@ class TopK(Compressor):
         keep = jnp.zeros((n,), jnp.bool_).at[idx].set(True).reshape(x.shape)
         return _pass_nonfinite(x, jnp.where(keep, x, jnp.zeros_like(x)))
 
+    def encode(
+        self, x: Float[Array, "*shape"], key: PRNGKeyArray | None = None
+    ) -> dict[str, Array]:
+        """The kept values (non-finite when any input is) and their flat indices."""
+        del key
+        values, index = top_k_rows(x.reshape(1, -1), self.num_kept(x.size))
+        return {"values": poison(x, values[0]), "index": index[0]}
+
+    def decode(
+        self, message: dict[str, Array], shape: tuple[int, ...], dtype: Any
+    ) -> Float[Array, "*shape"]:
+        """The kept values scattered into zeros."""
+        n = math.prod(tuple(shape))
+        rows = scatter_rows(message["values"][None], message["index"][None], n)
+        return rows.reshape(shape).astype(dtype)
+
+    def widths(self, shape: tuple[int, ...]) -> dict[str, int]:
+        """Values at 32 bits, indices at ceil(log2 n) bits."""
+        return {"values": VALUE_BITS, "index": index_bits(math.prod(tuple(shape)))}
+
 
 def fed_dropout(rate: float) -> Compressor:
     """FedDropout baseline of Streaming DiLoCo Fig. 11 (Wen et al., 2022).
@@ -206,9 +258,39 @@ def _decimal(value: float) -> Fraction:
     return Fraction(repr(float(value)))
 
 
+def _subset_index(key: PRNGKeyArray, n: int, k: int) -> Array:
+    """The positions of `_random_subset(key, n, k)`, in increasing order."""
+    return jnp.nonzero(_random_subset(key, n, k), size=k)[0]
+
+
 def _random_subset(key: PRNGKeyArray, n: int, k: int) -> Array:
     """A boolean [n] mask with exactly k uniformly chosen True entries."""
     return jr.permutation(key, n) < k
+
+
+def top_k_rows(rows: Array, k: int) -> tuple[Array, Array]:
+    """The `k` entries of largest |x| of each row `[r, n]` and their column indices
+    (`uint32`), ties to the lower index."""
+    _, index = jax.lax.top_k(jnp.abs(rows), k)
+    return jnp.take_along_axis(rows, index, axis=1), index.astype(jnp.uint32)
+
+
+def scatter_rows(values: Array, index: Array, n: int) -> Array:
+    """Rows `[r, n]` of zeros with `values` `[r, k]` at their column `index`."""
+    rows = jnp.arange(values.shape[0])[:, None]
+    out = jnp.zeros((values.shape[0], n), values.dtype)
+    return out.at[rows, index.astype(jnp.int32)].set(values)
+
+
+def index_bits(n: int) -> int:
+    """Bits of an index into `n` entries: ceil(log2 n) (0 for a single entry)."""
+    return (n - 1).bit_length()
+
+
+def poison(x: Array, values: Array) -> Array:
+    """`values`, all NaN when `x` has a non-finite entry (dropped or not), so that a
+    receiver of a sparse message still sees that the sender's input was not finite."""
+    return jnp.where(jnp.all(jnp.isfinite(x)), values, jnp.full_like(values, jnp.nan))
 
 
 def _pass_nonfinite(x: Array, out: Array) -> Array:
