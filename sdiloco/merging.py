@@ -32,6 +32,7 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Bool
 
+from .compression.base import compute_dtype
 from .outer import merge
 
 
@@ -130,7 +131,7 @@ class Eager(MergePolicy):
 
     def on_arrival(self, replica, global_, due, ok, state):
         """`θ_m − θ̃_m + θ_g` where due (θ_g where the outer gradient failed)."""
-        wide = jnp.promote_types(replica.dtype, jnp.float32)
+        wide = compute_dtype(replica.dtype)
         g = jnp.broadcast_to(global_[None], replica.shape)
         fixed = replica.astype(wide) - state.astype(wide) + g.astype(wide)
         new = jnp.where(ok[None], fixed.astype(replica.dtype), g)
