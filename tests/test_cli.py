@@ -1,9 +1,13 @@
 """`python -m sdiloco train`: a bad flag is one line on stderr and exit 2, no traceback."""
 
+import json
 import os
 import pathlib
+import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -48,3 +52,76 @@ def test_main_returns_2_in_process(capsys):
     assert main(["train", "--alpha", "2"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "alpha" in err and err.count("\n") == 1
+
+
+def _cli(args, cwd=ROOT, timeout=240, **kwargs):
+    return subprocess.run(
+        [sys.executable, "-m", "sdiloco", *args],
+        cwd=cwd,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **kwargs,
+    )
+
+
+@pytest.mark.integration
+def test_token_ids_beyond_the_vocabulary_are_one_line_and_exit_2(tmp_path):
+    # An id past the embedding reads NaN silently; the file is refused before any
+    # compute, naming the file, the largest id, the vocabulary and the way out.
+    import numpy as np
+
+    npy = tmp_path / "ids.npy"
+    np.save(npy, np.arange(1000, dtype=np.uint16).repeat(20))
+    text = tmp_path / "corpus.txt"
+    text.write_text("to be or not to be " * 2000)  # read as uint16 unless told
+    for path, top in ((npy, 999), (text, None)):
+        out = tmp_path / "out"
+        proc = _cli(
+            ["train", "--model", "tiny-xxxs", "--tokens", str(path), "--out", str(out)]
+        )
+        assert proc.returncode == 2, proc.stderr
+        lines = proc.stderr.splitlines()
+        assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+        assert str(path) in lines[0] and "vocabulary is 256" in lines[0], lines[0]
+        assert "--vocab" in lines[0] and (top is None or f"up to {top}" in lines[0])
+        assert not out.exists()
+    assert "--token-dtype" in lines[0]  # the raw file's message names the dtype flag
+
+
+@pytest.mark.integration
+def test_the_default_run_resumes_after_ctrl_c(tmp_path):
+    # README: `python -m sdiloco train --out DIR` (run it again and it resumes).
+    out = tmp_path / "run"
+    args = ["train", "--model", "tiny-xxxs", "--steps", "1200", "--sync-every", "10"]
+    args += ["--eval-windows", "4", "--out", str(out), "--no-progress"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sdiloco", *args],
+        cwd=ROOT,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        # The default cadence with --out: a checkpoint at every evaluation (100).
+        while not (out / "checkpoints" / "100").exists():
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, stderr
+    (line,) = stderr.splitlines()  # one line, no traceback
+    step = int(re.search(r"stopped at step (\d+), checkpoint saved", line)[1])
+    assert 100 <= step < 1200 and stdout == ""
+    assert line.endswith("resume with: python -m sdiloco " + " ".join(args))
+    assert (out / "checkpoints" / str(step)).is_dir()
+    again = _cli(args)
+    assert again.returncode == 0, again.stderr
+    assert f"resuming from step {step}" in again.stderr
+    assert json.loads(again.stdout)["summary"]["steps"] == 1200
+    assert "final held-out loss" in again.stderr and "history.csv" in again.stderr

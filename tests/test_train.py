@@ -266,3 +266,63 @@ def test_compile_cache_honours_the_users_own_directory(monkeypatch, tmp_path):
         assert jax.config.jax_compilation_cache_dir == str(tmp_path / "given")
     finally:
         jax.config.update("jax_compilation_cache_dir", before)
+
+
+def _damage(step_dir, how):
+    """Damage a checkpoint as a crash or a bad disk would."""
+    if how == "json":
+        (step_dir / "meta" / "metadata").write_bytes(b'{"rows": "\x01')
+    else:
+        for f in (step_dir / "state" / "d").iterdir():
+            f.write_bytes(b"garbage" * 10)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("how", ["json", "state"])
+def test_a_damaged_checkpoint_falls_back_to_the_previous_intact_one(
+    tmp_path, capsys, how
+):
+    cfg = _tiny(model="tiny-xxxs", steps=12, checkpoint_every=4)
+    full = run(cfg, progress=False)
+    run(cfg, tmp_path, stop_after=8, progress=False)  # checkpoints 4 and 8
+    capsys.readouterr()
+    _damage(tmp_path / "checkpoints" / "8", how)
+    resumed = run(cfg, tmp_path, progress=False)
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("warning: checkpoint step 8") and "step 4" in line, line
+    assert "Traceback" not in line
+    assert_trees_equal(jax.device_get(resumed.state), jax.device_get(full.state))
+    # Nothing intact: one error, suggesting to start afresh.
+    for step in ("8", "12"):
+        _damage(tmp_path / "checkpoints" / step, how)
+    with pytest.raises(CheckpointError, match="no intact checkpoint.*--no-resume"):
+        run(cfg, tmp_path, progress=False)
+    assert "Traceback" not in capsys.readouterr().err
+    assert int(run(cfg, tmp_path, resume=False, progress=False).state.step) == 12
+
+
+@pytest.mark.integration
+def test_a_nonfinite_loss_stops_the_run_when_asked(tmp_path):
+    from sdiloco.lab.train import NonFiniteLoss
+
+    cfg = _tiny(model="tiny-xxxs", steps=12, inner={"lr": 1e4, "warmup_steps": 1})
+    with pytest.raises(NonFiniteLoss, match="loss is nan at step"):
+        run(cfg, progress=False, nonfinite_loss="stop")
+    assert not np.isfinite(run(cfg, progress=False).rows[-1]["loss/train"])
+
+
+@pytest.mark.parametrize(
+    "steps, expected",
+    [(20, "no fragment is ever synchronised"), (120, "2 of 3 fragments"), (200, None)],
+)
+def test_a_run_shorter_than_its_syncs_is_warned_about(steps, expected):
+    from sdiloco.lab.train import sync_warning
+
+    cfg = config_lib.preset("streaming_overlap_fp4", model="tiny-xxs", steps=steps)
+    warning = sync_warning(cfg)  # H = 100, P = 3, tau = 1: first arrivals 101..168
+    if expected is None:
+        assert warning is None
+    else:
+        assert warning is not None and expected in warning and "\n" not in warning
+        assert "--steps >= 168" in warning
+    assert sync_warning(config_lib.preset("data_parallel", steps=5)) is None

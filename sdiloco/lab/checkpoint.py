@@ -20,6 +20,8 @@ The directory must be one that every process sees (a shared filesystem or bucket
 
 import json
 import os
+import shutil
+import sys
 from typing import Any
 
 import equinox as eqx
@@ -34,6 +36,32 @@ STATE, CONFIG, META = "state", "config", "meta"
 
 class CheckpointError(ValueError):
     """A checkpoint that is missing, partial, or from another config or model."""
+
+
+class CorruptCheckpoint(CheckpointError):
+    """A checkpoint that cannot be read (partial, or damaged files); an older one of
+    the same directory may still be intact."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        _quiet_closed_loops()
+
+
+def _quiet_closed_loops() -> None:
+    """After a failed read, tensorstore's pending callbacks reach orbax's closed
+    event loop and each prints `RuntimeError: Event loop is closed` (through
+    `sys.unraisablehook`), later and out of context; drop those, keep the rest."""
+    previous = sys.unraisablehook
+    if getattr(previous, "_sdiloco", False):
+        return
+
+    def hook(unraisable: Any) -> None:
+        e = unraisable.exc_value
+        if not (isinstance(e, RuntimeError) and str(e) == "Event loop is closed"):
+            previous(unraisable)
+
+    setattr(hook, "_sdiloco", True)
+    sys.unraisablehook = hook
 
 
 class Checkpointer:
@@ -57,6 +85,21 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         """The newest complete checkpoint's step, or None."""
         return self.manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        """The steps of every complete checkpoint, oldest first."""
+        return sorted(self.manager.all_steps())
+
+    def set_aside(self, step: int) -> str:
+        """Rename the checkpoint of `step` to `<step>.damaged` (replacing an older
+        one of that name), out of the manager's sight; returns the new path."""
+        src = os.path.join(self.directory, str(step))
+        dst = src + ".damaged"
+        if os.path.isdir(dst):
+            shutil.rmtree(dst)
+        os.rename(src, dst)
+        self.manager.reload()
+        return dst
 
     def save(self, step: int, state: Any, meta: dict) -> None:
         """Save the state's arrays, the config and `meta` (JSON: history, positions)."""
@@ -99,13 +142,18 @@ class Checkpointer:
         expected = [STATE, CONFIG, META]
         missing = [i for i in expected if not os.path.isdir(os.path.join(step_dir, i))]
         if missing:
-            raise CheckpointError(
+            raise CorruptCheckpoint(
                 f"checkpoint {step_dir} is partial: missing items {missing}; refusing "
                 "to restore part of a run."
             )
-        saved = self.manager.restore(
-            step, args=ocp.args.Composite(**{CONFIG: ocp.args.JsonRestore()})
-        )[CONFIG]
+        try:
+            saved = self.manager.restore(
+                step, args=ocp.args.Composite(**{CONFIG: ocp.args.JsonRestore()})
+            )[CONFIG]
+        except Exception as e:  # a damaged JSON item: any error of the reader
+            raise CorruptCheckpoint(
+                f"checkpoint {step_dir}: cannot read its config: {_short(e)}"
+            ) from e
         if saved != self.config:
             diff = _diff(saved, self.config)
             raise CheckpointError(
@@ -127,9 +175,9 @@ class Checkpointer:
         }
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(**items))
-        except (ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(
-                f"checkpoint {step_dir} does not match this run's state: {e}"
+        except Exception as e:  # names, shapes and dtypes matched: damaged files
+            raise CorruptCheckpoint(
+                f"checkpoint {step_dir}: cannot read its arrays or meta: {_short(e)}"
             ) from e
         return eqx.combine(restored[STATE], static), restored[META]
 
@@ -144,9 +192,9 @@ def _saved_arrays(step_dir: str) -> dict[str, str]:
     path = epath.Path(step_dir) / STATE
     try:
         tree = ocp.StandardCheckpointHandler().metadata(path).tree
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(
-            f"checkpoint {step_dir}: cannot read the state's metadata: {e}"
+    except Exception as e:  # a damaged metadata file: any error of the reader
+        raise CorruptCheckpoint(
+            f"checkpoint {step_dir}: cannot read the state's metadata: {_short(e)}"
         ) from e
     return {
         _name(p): _spec(m.shape, m.dtype)
@@ -179,6 +227,13 @@ def _compare(saved: dict[str, str], want: dict[str, str], limit: int = 5) -> lis
     if len(out) > limit:
         out = out[:limit] + [f"and {len(out) - limit} more differences"]
     return out
+
+
+def _short(e: BaseException, limit: int = 160) -> str:
+    """The first line of an error, cut to `limit` characters (tensorstore's errors
+    carry a whole spec)."""
+    text = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _name(path: tuple) -> str:

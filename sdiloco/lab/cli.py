@@ -14,39 +14,54 @@ status 1 and one line saying why.
 
 import argparse
 import json
+import os
+import shlex
 import sys
 from typing import Any, NoReturn
 
-from . import config as config_lib
+from . import config as config_lib, model as model_lib
 
 
 USAGE_ERROR = 2
 """Exit status of a bad command line (argparse's convention)."""
 
 
+INTERRUPTED = 130
+"""Exit status of a run stopped by Ctrl-C or SIGTERM (the shell's 128 + SIGINT)."""
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `python -m sdiloco` (and the `sdiloco` console script)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
         args = _parser().parse_args(argv)
+        args.argv = argv
         if args.command == "train":
             return _train(args) if args.board is None else _island(args)
         if args.command == "coordinate":
             return _coordinate(args)
     except _UsageError as e:
         return _fail(f"{e} (see --help)")
+    except KeyboardInterrupt:  # before the loop (or a second Ctrl-C): nothing saved
+        print("interrupted; no checkpoint was written.", file=sys.stderr)
+        return INTERRUPTED
     return 0
 
 
 def _train(args: argparse.Namespace) -> int:
     try:
         cfg = _config(args)
+        if args.out is not None and args.checkpoint_every is None:
+            # With --out, resumable by default: a checkpoint at every evaluation
+            # (and one on Ctrl-C / SIGTERM, see train.run).
+            cfg = cfg.replace(checkpoint_every=cfg.eval_every)
     except ValueError as e:
         return _fail(str(e))
     # Only now, the checks passed: importing the training loop is slow.
     from .checkpoint import CheckpointError
 
     try:
-        from .train import run
+        from .train import Interrupted, NonFiniteLoss, check_data, run, sync_warning
     except ModuleNotFoundError as e:  # the core install, without the lab extra
         print(
             f"error: training needs the lab extra ({e.name} is not installed): "
@@ -71,6 +86,13 @@ def _train(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     try:
+        check_data(cfg)  # before the warning: a bad file is the one line
+    except ValueError as e:
+        return _fail(str(e))
+    warning = sync_warning(cfg)
+    if warning is not None and cluster.is_primary():
+        print(warning, file=sys.stderr, flush=True)
+    try:
         history = run(
             cfg,
             args.out,
@@ -79,15 +101,75 @@ def _train(args: argparse.Namespace) -> int:
             courier=args.courier,
             resume=not args.no_resume,
             progress=not args.no_progress,
+            nonfinite_loss=args.nonfinite_loss,
         )
     except (CheckpointError, ValueError) as e:  # another run in --out; a bad layout
         return _fail(str(e))
+    except NonFiniteLoss as e:
+        return _fail(str(e), status=1)
+    except Interrupted as e:
+        print(
+            f"stopped at step {e.step}, checkpoint saved; resume with: "
+            f"python -m sdiloco {shlex.join(args.argv)}",
+            file=sys.stderr,
+        )
+        return INTERRUPTED
     finally:
         cluster.disconnect()
     if cluster.is_primary():
         summary = {"evals": history.evals[-1:], "summary": history.summary}
         print(json.dumps(summary, indent=1))
+        _report(history, args.out)
     return 0
+
+
+def _report(history: Any, out: str | None) -> None:
+    """The end of a run, on stderr: losses, bits, wall time, the files written (and
+    `loss.png` of the training curve, where matplotlib is installed)."""
+    s, rows, evals = history.summary, history.rows, history.evals
+    lines = [f"done: {s['steps']} steps in {s['wall_s']:.0f} s"]
+    if rows:
+        lines.append(f"  final train loss    {rows[-1]['loss/train']:.4f}")
+    if evals:
+        lines.append(f"  final held-out loss {evals[-1]['eval/global']:.4f} (global)")
+    lines.append(
+        f"  bits sent           {s['bits_total']:,} (peak {s['peak_bits_per_step']:,} "
+        "in one step, per replica)"
+    )
+    if out is not None:
+        plot = _plot_loss(history, out)
+        names = ["config.json", "history.json", "history.csv", "evals.csv"]
+        names += ["checkpoints/"] + ([plot] if plot else [])
+        found = [n for n in names if os.path.exists(os.path.join(out, n))]
+        lines.append(f"  files in {out}: {', '.join(found)}")
+    print("\n".join(lines), file=sys.stderr)
+
+
+def _plot_loss(history: Any, out: str) -> str | None:
+    """`loss.png` in `out`: train loss per logged step and held-out evaluations;
+    None (nothing written) without matplotlib, which only the paper extra installs."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    rows, evals = history.rows, history.evals
+    ax.plot([r["step"] for r in rows], [r["loss/train"] for r in rows], label="train")
+    if evals:
+        ax.plot(
+            [e["step"] for e in evals],
+            [e["eval/global"] for e in evals],
+            "o-",
+            label="held-out (global)",
+        )
+    ax.set(xlabel="step", ylabel="loss (nats/token)", title=history.config.name)
+    ax.legend()
+    fig.savefig(os.path.join(out, "loss.png"), dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    return "loss.png"
 
 
 def _board(args: argparse.Namespace) -> Any:
@@ -190,13 +272,17 @@ def _changes(args: argparse.Namespace) -> dict:
         method["quantizer"] = None
     changes = _given(
         model=args.model,
+        vocab_size=args.vocab,
         steps=args.steps,
         seed=args.seed,
         checkpoint_every=args.checkpoint_every,
         eval_windows=args.eval_windows,
     )
     data = _given(
-        global_batch_size=args.batch_size, token_file=args.tokens, seed=args.seed
+        global_batch_size=args.batch_size,
+        token_file=args.tokens,
+        token_dtype=args.token_dtype,
+        seed=args.seed,
     )
     if method:
         changes["method"] = method
@@ -219,20 +305,56 @@ def _parser() -> argparse.ArgumentParser:
         help=f"the paper's method, one of {sorted(config_lib.PRESETS)} (default: "
         "Streaming DiLoCo with overlapped FP4 communication)",
     )
-    t.add_argument("--model", help="model preset, e.g. tiny-s, tiny-m, tiny-deep")
-    t.add_argument("--steps", type=int, help="total inner steps")
-    t.add_argument("--replicas", type=int, help="M")
-    t.add_argument("--sync-every", type=int, help="H")
-    t.add_argument("--overlap", type=int, help="tau")
-    t.add_argument("--alpha", type=float, help="mixing factor")
+    run, method = config_lib.RunConfig, config_lib.StreamingConfig
+    t.add_argument(
+        "--model",
+        help=f"model preset (default {run.model}), one of: "
+        f"{', '.join(model_lib.TINY_SCALES)} (byte-level, vocabulary 256; the "
+        f"embedded corpus) and the paper's {', '.join(model_lib.PAPER_SCALES)} "
+        "(vocabulary 32,000)",
+    )
+    t.add_argument(
+        "--vocab",
+        type=int,
+        help="the model's vocabulary instead of the preset's (every id of --tokens "
+        "must be below it)",
+    )
+    t.add_argument("--steps", type=int, help=f"total inner steps (default {run.steps})")
+    t.add_argument(
+        "--replicas", type=int, help=f"M, the replicas (default {method.num_replicas})"
+    )
+    t.add_argument(
+        "--sync-every",
+        type=int,
+        help=f"H, inner steps between two syncs of a fragment (default "
+        f"{method.sync_every}; diloco 30); a run shorter than H never syncs",
+    )
+    t.add_argument(
+        "--overlap", type=int, help=f"tau (default {method.overlap}; 0 without overlap)"
+    )
+    t.add_argument(
+        "--alpha", type=float, help=f"mixing factor (default {method.alpha})"
+    )
     t.add_argument(
         "--quantizer",
         help="outer-gradient format (e3m0, e2m1, e4m3, bf16, fp32, ...) or none",
     )
-    t.add_argument("--batch-size", type=int, help="global batch size (sequences)")
-    t.add_argument("--lr", type=float, help="peak inner learning rate")
     t.add_argument(
-        "--seed", type=int, help="seed of the model, the compressors and the data order"
+        "--batch-size",
+        type=int,
+        help="global batch size in sequences (default: the tuned one, else "
+        f"{config_lib.DataConfig.global_batch_size})",
+    )
+    t.add_argument(
+        "--lr",
+        type=float,
+        help="peak inner learning rate (default: the tuned one, else "
+        f"{config_lib.InnerConfig.lr})",
+    )
+    t.add_argument(
+        "--seed",
+        type=int,
+        help="seed of the model, the compressors and the data order (default 0)",
     )
     t.add_argument(
         "--tokens-per-param",
@@ -250,9 +372,36 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         help="held-out windows per evaluation (default: every window)",
     )
-    t.add_argument("--tokens", help="a token file (.npy or raw) instead of the corpus")
-    t.add_argument("--checkpoint-every", type=int, help="steps between checkpoints")
-    t.add_argument("--out", help="output directory (history, checkpoints)")
+    t.add_argument(
+        "--tokens",
+        help="a token file instead of the corpus: a 1-D .npy of uint8/uint16/uint32 "
+        "ids, or raw ids (see --token-dtype), each below the model's vocabulary; the "
+        "last 10%% is held out",
+    )
+    t.add_argument(
+        "--token-dtype",
+        choices=config_lib.TOKEN_DTYPES,
+        help=f"dtype of a raw --tokens file (default "
+        f"{config_lib.DataConfig.token_dtype}; a .npy file's is read from it)",
+    )
+    t.add_argument(
+        "--nonfinite-loss",
+        choices=("stop", "continue"),
+        default="stop",
+        help="a NaN or infinite training or held-out loss stops the run with exit "
+        "status 1 (default), or is recorded and trained on",
+    )
+    t.add_argument(
+        "--checkpoint-every",
+        type=int,
+        help="steps between checkpoints (default with --out: at every evaluation, "
+        f"{run.eval_every} steps for the presets; 0: only at the end)",
+    )
+    t.add_argument(
+        "--out",
+        help="output directory (history, loss.png, checkpoints); the same command "
+        "again resumes from its newest checkpoint",
+    )
     t.add_argument(
         "--no-resume", action="store_true", help="ignore checkpoints in --out"
     )

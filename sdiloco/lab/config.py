@@ -115,6 +115,10 @@ class InnerConfig:
         return optax.chain(optax.clip_by_global_norm(self.clip_norm), adamw)
 
 
+TOKEN_DTYPES = ("uint8", "uint16", "uint32")
+"""The dtypes a token file may hold (`DataConfig.token_dtype`)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     """Where tokens come from and how they are batched."""
@@ -126,7 +130,8 @@ class DataConfig:
     token_file: str | None = None
     """A user token file (.npy or raw) instead of the embedded Shakespeare corpus."""
     token_dtype: str = "uint16"
-    """dtype of a raw `token_file`."""
+    """dtype of a raw `token_file`: "uint8", "uint16" or "uint32" (a `.npy` file's
+    dtype is read from its header). Every id must be below the model's vocabulary."""
     heldout_fraction: float = 0.1
     """Fraction of a user token file held out for evaluation (its tail)."""
     validation: bool = False
@@ -136,6 +141,7 @@ class DataConfig:
 
     def __post_init__(self):
         fields.positive_int("DataConfig.global_batch_size", self.global_batch_size)
+        fields.choice("DataConfig.token_dtype", self.token_dtype, TOKEN_DTYPES)
         if not 0 < self.heldout_fraction < 1:
             raise ValueError(
                 f"DataConfig.heldout_fraction={self.heldout_fraction!r}; must be in "
@@ -150,6 +156,10 @@ class RunConfig:
     name: str = "run"
     model: str = "tiny-s"
     """A model preset name (`model.preset`)."""
+    vocab_size: int | None = None
+    """The model's vocabulary instead of the preset's (None: the preset's; 256 for
+    the tiny models): token ids run over `[0, vocab_size)`. Left out of the JSON when
+    None, so configs written before this field keep their keys."""
     method: MethodConfig = dataclasses.field(default_factory=StreamingConfig)
     """The method and its knobs: a `DataParallelConfig`, `DiLoCoConfig` or
     `StreamingConfig` (or a dict with its `kind`)."""
@@ -190,6 +200,8 @@ class RunConfig:
         if isinstance(self.eval_params, list):
             object.__setattr__(self, "eval_params", tuple(self.eval_params))
         model_lib.preset(self.model)  # raises ValueError on an unknown name
+        if self.vocab_size is not None:
+            fields.positive_int("RunConfig.vocab_size", self.vocab_size)
         for name in ("steps", "eval_every", "log_every"):
             fields.positive_int(f"RunConfig.{name}", getattr(self, name))
         if self.eval_windows is not None:
@@ -234,7 +246,16 @@ class RunConfig:
         """The config as plain JSON-able data; the method carries its `kind`."""
         d = dataclasses.asdict(self)
         d["method"] = {"kind": self.method.kind, **d["method"]}
+        if d["vocab_size"] is None:  # the preset's: as written before the field
+            del d["vocab_size"]
         return d
+
+    def model_config(self) -> model_lib.ModelConfig:
+        """The model's config: the preset `model`, with `vocab_size` if set."""
+        mc = model_lib.preset(self.model)
+        if self.vocab_size is None:
+            return mc
+        return dataclasses.replace(mc, vocab_size=self.vocab_size)
 
     def to_json(self) -> str:
         """The config as canonical JSON (keys the run cache and checkpoints)."""
@@ -432,7 +453,7 @@ class Regime:
 
     def steps(self, config: RunConfig) -> int:
         """Inner steps of `config`'s model and batch at this budget."""
-        mc = model_lib.preset(config.model)
+        mc = config.model_config()
         tokens_per_step = config.data.global_batch_size * mc.seq_len
         return math.ceil(self.tokens_per_param * mc.num_params() / tokens_per_step)
 

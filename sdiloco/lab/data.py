@@ -124,6 +124,36 @@ def load_tokens(
     return np.memmap(path, dtype=want, mode="r")
 
 
+def check_token_ids(
+    tokens: Integer[np.ndarray, " n"], vocab_size: int, source: str
+) -> None:
+    """Refuse token ids outside `[0, vocab_size)`, before any compute.
+
+    An embedding lookup past the vocabulary reads NaN without an error, so a file of
+    ids from a larger tokenizer would train to NaN silently.
+
+    Args:
+        tokens: the ids (a memory map is read once, in chunks).
+        vocab_size: the model's vocabulary.
+        source: what to name in the error (e.g. the file).
+
+    Raises:
+        ValueError: naming `source`, the largest id and the vocabulary.
+
+    Examples:
+        >>> check_token_ids(np.array([0, 255], np.uint8), 256, "x")
+    """
+    if len(tokens) == 0:
+        raise ValueError(f"{source} holds no tokens.")
+    top = max(int(tokens[i : i + 2**24].max()) for i in range(0, len(tokens), 2**24))
+    if top >= vocab_size:
+        raise ValueError(
+            f"{source} holds token ids up to {top}, but the model's vocabulary is "
+            f"{vocab_size} (ids 0..{vocab_size - 1}); train a model with a larger "
+            f"one: --vocab {top + 1} (RunConfig.vocab_size)."
+        )
+
+
 def unigram_entropy(tokens: Integer[np.ndarray, "*shape"]) -> float:
     """Entropy of the empirical unigram distribution, in nats per token.
 

@@ -19,7 +19,10 @@ import dataclasses
 import json
 import math
 import os
+import shutil
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -40,11 +43,26 @@ from ..base import (
     replica_params,
 )
 from ..participation import Participation
+from ..schedule import default_first_send
 from ..sim import chaos
 from . import data as data_lib, model as model_lib
-from .checkpoint import Checkpointer
+from .checkpoint import Checkpointer, CheckpointError, CorruptCheckpoint
 from .cluster import Placement
-from .config import RunConfig
+from .config import RunConfig, StreamingConfig
+
+
+class Interrupted(Exception):
+    """A run stopped by SIGINT (Ctrl-C) or SIGTERM after a checkpoint of its last
+    finished step; `run` with the same config and `out_dir` resumes it."""
+
+    def __init__(self, step: int, signum: int, out_dir: str | os.PathLike):
+        self.step, self.signum, self.out_dir = step, signum, out_dir
+        name = signal.Signals(signum).name
+        super().__init__(f"{name} at step {step}: checkpoint saved in {out_dir}")
+
+
+class NonFiniteLoss(RuntimeError):
+    """A training or held-out loss that is NaN or infinite (`nonfinite_loss="stop"`)."""
 
 
 @dataclasses.dataclass
@@ -144,9 +162,9 @@ def build(
     an `exchange` given here (a replica island's `distributed.board_exchange`) is
     used instead.
     """
-    mc = model_lib.preset(config.model)
+    mc = config.model_config()
+    train, heldout = _tokens(config, mc)  # checked before the model is built
     model = model_lib.Transformer(mc, key=jr.PRNGKey(config.seed))
-    train, heldout = _tokens(config, mc)
     available = len(data_lib.TokenWindows(heldout, mc.seq_len))
     if config.eval_windows is not None and config.eval_windows > available:
         raise ValueError(
@@ -178,6 +196,7 @@ def run(
     stop_after: int | None = None,
     progress: bool = True,
     callback: Callable[[int, Any, dict], Any] | None = None,
+    nonfinite_loss: str = "continue",
 ) -> History:
     """Train `config` and return its history.
 
@@ -203,15 +222,29 @@ def run(
         callback: `callback(step, state, metrics)` after every step, on device
             values (e.g. `analysis.outer_gradient_cosine`). The state is donated to
             the next step: copy what you keep, do not hold the state itself.
+        nonfinite_loss: "stop" raises `NonFiniteLoss` when a training loss (read
+            every `log_every` steps) or a held-out loss is NaN or infinite;
+            "continue" records it and trains on (a diverging trial of a sweep).
+
+    With `out_dir`, in a single process, SIGINT (Ctrl-C) and SIGTERM stop the run
+    after the step in progress: it checkpoints that step, writes the history and
+    raises `Interrupted`; a second signal stops at once.
 
     Returns:
         The `History` (with the final state in `history.state`).
 
     Raises:
-        ValueError: a layout that cannot hold the run (before any compute).
-        CheckpointError: a checkpoint in `out_dir` of another run.
+        ValueError: a layout that cannot hold the run, a token file that does not
+            fit the model (before any compute).
+        CheckpointError: a checkpoint in `out_dir` of another run, or none intact.
+        Interrupted: a signal stopped the run (after a checkpoint).
+        NonFiniteLoss: with `nonfinite_loss="stop"`.
     """
     c = config
+    if nonfinite_loss not in ("stop", "continue"):
+        raise ValueError(
+            f"nonfinite_loss={nonfinite_loss!r}; allowed: 'stop', 'continue'."
+        )
     place = Placement.of(
         c.method.num_replicas,
         mesh,
@@ -229,6 +262,8 @@ def run(
     r = build(config, place)
     history = History(config)
     log = _Log(r, history, progress and place.primary, place)
+    log.stop_nonfinite = nonfinite_loss == "stop"
+    signals = _Signals(out_dir is not None and jax.process_count() == 1)
     ckpt = None
     try:  # the placement's couriers and the checkpointer are released in any case
         state = place.state(r.init_state())
@@ -238,13 +273,15 @@ def run(
                 r, out_dir, resume, state, iterators, log, place
             )
         last = c.steps if stop_after is None else min(stop_after, c.steps)
-        loop = _Loop(r, place, log, iterators, ckpt)
-        state = loop.train(state, int(place.host(state.step)), last, callback)
-        jax.block_until_ready(state)
-        place.close()
-        log.stop()
-        if ckpt is not None and ckpt.latest_step() != last:
-            loop.save(last, state)
+        loop = _Loop(r, place, log, iterators, ckpt, signals)
+        with signals:
+            state = loop.train(state, int(place.host(state.step)), last, callback)
+            jax.block_until_ready(state)
+            place.close()
+            log.stop()
+            last = loop.reached  # earlier than asked after a signal
+            if ckpt is not None and ckpt.latest_step() != last:
+                loop.save(last, state)
     finally:
         place.close(wait=False)
         if ckpt is not None:
@@ -256,7 +293,38 @@ def run(
     history.state = state
     if out_dir is not None and place.primary:
         history.save(out_dir)
+    if signals.received is not None and out_dir is not None:
+        raise Interrupted(last, signals.received, out_dir)
     return history
+
+
+class _Signals:
+    """SIGINT and SIGTERM while a run with an output directory trains: the first
+    asks the loop to stop after its step (which it then checkpoints), a second stops
+    at once (KeyboardInterrupt). Only in the main thread of a single process: in a
+    job, one process leaving alone would leave the others in a collective."""
+
+    def __init__(self, active: bool):
+        self.active = active and threading.current_thread() is threading.main_thread()
+        self.received: int | None = None
+        self.previous: dict = {}
+
+    def __enter__(self) -> "_Signals":
+        if self.active:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self.previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        del frame
+        if self.received is not None:
+            raise KeyboardInterrupt
+        self.received = signum
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+        self.previous.clear()
 
 
 @dataclasses.dataclass
@@ -268,6 +336,9 @@ class _Loop:
     log: "_Log"
     iterators: list
     ckpt: Checkpointer | None
+    signals: "_Signals | None" = None
+    reached: int = 0
+    """The last step taken (`last`, or earlier when a signal stopped the loop)."""
 
     def train(self, state: Any, start: int, last: int, callback: Any) -> Any:
         """Steps `start + 1 ... last` from `state`; returns the last state."""
@@ -275,7 +346,10 @@ class _Loop:
         step_fn, evaluate = place.step(self.r.algorithm), evaluator(self.r, c, place)
         trace = _trace(c)
         self.log.start(start)
+        self.reached = start
         for step in range(start + 1, last + 1):
+            if self.signals is not None and self.signals.received is not None:
+                break
             batch = place.batch(self.iterators)
             if trace is None:
                 state, metrics = step_fn(state, batch)
@@ -290,6 +364,9 @@ class _Loop:
                 self.log.evaluation(step, evaluate(state))
             if c.checkpoint_every and step % c.checkpoint_every == 0:
                 self.save(step, state)
+            self.reached = step
+        if self.reached != last and self.log.pending:  # a row for the last step
+            self.log.flush(self.reached)
         return state
 
     def save(self, step: int, state: Any) -> None:
@@ -304,6 +381,42 @@ class _Loop:
         meta["data"] = [positions[m] for m in range(self.r.config.method.num_replicas)]
         with place.exclusive():  # orbax's barriers are collectives too
             self.ckpt.save(step, state, meta)
+
+
+def sync_warning(config: RunConfig) -> str | None:
+    """One line when a DiLoCo-family run ends before some fragment's first outer
+    step (e.g. `--steps 20` with H = 100), else None.
+
+    Such a run is allowed (a short run still checks a setup), but the global
+    parameters of those fragments, the ones evaluated, never leave their
+    initialisation. Fragment p first arrives at `f_p + τ` with
+    `f_p = H + round(p·H/P)` (`schedule.default_first_send`).
+    """
+    m = config.method
+    h = getattr(m, "sync_every", None)
+    if h is None:  # Data-Parallel synchronises every step
+        return None
+    p = 1
+    if isinstance(m, StreamingConfig):
+        p += config.model_config().num_layers // m.layers_per_fragment
+    overlap = getattr(m, "overlap", 0)
+    tau = max(overlap) if isinstance(overlap, tuple) else overlap
+    arrive = [f + tau for f in default_first_send(h, p)]
+    never = sum(a > config.steps for a in arrive)
+    if not never:
+        return None
+    what = (
+        "no fragment is ever synchronised: the global parameters (the ones "
+        "evaluated) stay at their initialisation and no bits are sent"
+        if never == p
+        else f"{never} of {p} fragments are never synchronised: their global "
+        "parameters (evaluated) stay at their initialisation"
+    )
+    return (
+        f"warning: steps={config.steps} ends before step {max(arrive)}, where the "
+        f"last fragment's first outer step lands (H={h}, {p} fragment(s), tau={tau}): "
+        f"{what}; give --steps >= {max(arrive)} or a smaller --sync-every."
+    )
 
 
 def _trace(c: RunConfig) -> chaos.Trace | None:
@@ -341,11 +454,17 @@ def _open_checkpoints(
     c = r.config
     if place.primary:
         os.makedirs(out_dir, exist_ok=True)
-    ckpt = Checkpointer(
-        os.path.join(out_dir, "checkpoints"), c.to_json(), c.keep_checkpoints
-    )
+    directory = os.path.join(out_dir, "checkpoints")
+    if not resume and os.path.isdir(directory) and jax.process_count() == 1:
+        # Starting afresh: the old checkpoints go aside (one generation is kept),
+        # so the new run does not meet its own step numbers already taken.
+        old = directory + ".old"
+        if os.path.isdir(old):
+            shutil.rmtree(old)
+        os.rename(directory, old)
+    ckpt = Checkpointer(directory, c.to_json(), c.keep_checkpoints)
     if resume and ckpt.latest_step() is not None:
-        state, meta = ckpt.restore(state, abstract=place.abstract(state))
+        state, meta = _restore_intact(ckpt, state, place)
         for m in place.local_replicas:
             iterators[m].set_state(meta["data"][m])
         log.history.rows, log.history.evals = meta["rows"], meta["evals"]
@@ -357,6 +476,47 @@ def _open_checkpoints(
     return ckpt, state
 
 
+def _restore_intact(ckpt: Checkpointer, state: Any, place: Placement):
+    """The newest checkpoint that reads back, saying so in one line when newer ones
+    do not (a process killed while the disk filled, a damaged file).
+
+    Raises:
+        CheckpointError: another config or state (not a damage: no fallback), or no
+            checkpoint intact (suggesting `--no-resume`).
+    """
+    damaged = []
+    for step in reversed(ckpt.all_steps()):
+        try:
+            restored = ckpt.restore(state, step=step, abstract=place.abstract(state))
+        except CorruptCheckpoint as e:
+            damaged.append((step, e))
+            continue
+        if damaged and place.primary:
+            if jax.process_count() == 1:  # the run will write these steps again
+                for s, _ in damaged:
+                    ckpt.set_aside(s)
+            print(
+                f"warning: checkpoint step {damaged[0][0]} in {ckpt.directory} is "
+                f"damaged ({damaged[0][1]}); resuming from step {step}, the newest "
+                "intact one (the damaged one is kept as "
+                f"{damaged[0][0]}.damaged).",
+                file=sys.stderr,
+                flush=True,
+            )
+        elif place.primary:
+            print(
+                f"resuming from step {step} ({ckpt.directory})",
+                file=sys.stderr,
+                flush=True,
+            )
+        return restored
+    raise CheckpointError(
+        f"no intact checkpoint in {ckpt.directory} (steps "
+        f"{[s for s, _ in damaged]}; newest: {damaged[0][1]}); start afresh with "
+        "--no-resume (run(..., resume=False))."
+    )
+
+
 class _Log:
     """The host side of a run: metric rows, exact bit totals, evaluations, the bar."""
 
@@ -366,6 +526,7 @@ class _Log:
         self.bits_table = [int(b) for b in r.algorithm.bits_per_fragment(r.model)]
         self.tokens_per_step = r.config.data.global_batch_size * r.model_config.seq_len
         self.pending: list[tuple[int, dict]] = []
+        self.stop_nonfinite = False
 
     def start(self, step: int) -> None:
         c = self.r.config
@@ -383,13 +544,16 @@ class _Log:
         """Keep the step's metrics on device; pull them to the host when `flush`."""
         self.pending.append((step, metrics))
         if flush:
-            self._flush(step)
+            self.flush(step)
         self.bar.update(1)
 
-    def _flush(self, step: int) -> None:
+    def flush(self, step: int) -> None:
+        """Pull the pending steps' metrics to the host: one history row."""
         host = self.place.metrics(self.pending)
         self.pending.clear()
-        for _, m in host:
+        for s, m in host:
+            if self.stop_nonfinite and not math.isfinite(float(m["loss/train"])):
+                self._nonfinite(f"the training loss is {float(m['loss/train'])}", s)
             sent = np.asarray(m.get("sync/sent", [True]), bool).reshape(-1)
             bits = sum(b for b, on in zip(self.bits_table, sent) if on)
             self.totals["bits"] += bits
@@ -417,9 +581,19 @@ class _Log:
 
     def evaluation(self, step: int, result: dict) -> None:
         self.history.evals.append({"step": step, **result})
+        for k, v in result.items():
+            if k.startswith("eval/") and self.stop_nonfinite and not math.isfinite(v):
+                self._nonfinite(f"the held-out loss ({k}) is {v}", step)
         if self.progress:  # beside the bar, on stderr: stdout stays for results
             text = ", ".join(f"{k}={v:.4f}" for k, v in result.items())
             self.bar.write(f"step {step}: {text}", file=sys.stderr)
+
+    def _nonfinite(self, what: str, step: int) -> None:
+        self.bar.close()
+        raise NonFiniteLoss(
+            f"{what} at step {step}; the run stopped (no checkpoint of this state). "
+            "Try a smaller --lr, or --nonfinite-loss continue to train on."
+        )
 
     def meta(self) -> dict:
         """What a checkpoint keeps of the host side."""
@@ -459,11 +633,27 @@ def _tokens(
                 "validation"
             )
         return data_lib.load_corpus("train"), data_lib.load_corpus("heldout")
-    tokens = data_lib.load_tokens(d.token_file, d.token_dtype)
+    path = os.fspath(d.token_file)
+    npy = path.lower().endswith(".npy")  # its header gives the dtype
+    tokens = data_lib.load_tokens(path, None if npy else d.token_dtype)
+    raw = f" (raw, read as {d.token_dtype}: --token-dtype)"
+    source = f"token file {path!r}" + ("" if npy else raw)
+    data_lib.check_token_ids(tokens, mc.vocab_size, source)
     for _ in range(1 + d.validation):  # tuning: split the training part again
         split = int(len(tokens) * (1 - d.heldout_fraction))
         tokens, evaluation = tokens[:split], tokens[split:]
     return tokens, evaluation
+
+
+def check_data(config: RunConfig) -> None:
+    """Read the run's tokens and check them against its model (what `run` does
+    first), without building anything.
+
+    Raises:
+        ValueError: a missing or unreadable token file, ids the model's vocabulary
+            does not hold (naming the file, the largest id and the vocabulary).
+    """
+    _tokens(config, config.model_config())
 
 
 EVAL_CHUNK = 256
