@@ -526,11 +526,9 @@ def heal(
             fresh = jax.tree.map(
                 lambda c, r: jnp.where(jnp.any(live), c, r), peer, fresh
             )
-        replicas = eqx.combine(replicate(g, spec.num_replicas), state.replica_params)
+        state = adopt_global(spec, state, back)
         return state._replace(
-            replica_params=where_replicas(back, replicas, state.replica_params),
-            inner_state=where_replicas(back, fresh, state.inner_state),
-            **_fresh_policy_state(spec, state, g, back),
+            inner_state=where_replicas(back, fresh, state.inner_state)
         )
 
     state = run_if(jnp.any(back), restore, state)
@@ -538,21 +536,31 @@ def heal(
     return state._replace(alive=alive, steps_since=since)
 
 
-def _fresh_policy_state(
-    spec: StreamingSpec, state: StreamingState, g: Params, back: Array | None = None
-) -> dict[str, Any]:
-    """The error-feedback residual (zero) and the merge policy's state (`init` from
-    θ_g `g`) of the replicas `back` (None: all), as `state._replace` arguments:
-    what a replica that adopts θ_g starts from."""
-    out = {}
+def adopt_global(
+    spec: StreamingSpec, state: StreamingState, back: Bool[Array, " M"] | None = None
+) -> StreamingState:
+    """The replicas `back` (None: all) start again from θ_g: their parameters become
+    θ_g, their error-feedback residual zero and their merge policy's state `init`'s
+    (the inner optimizer state is the caller's: `heal`, or a peer's in an elastic
+    job). Every way back into the rounds goes through here."""
     back = jnp.ones((spec.num_replicas,), bool) if back is None else back
+    g = jax.tree.map(
+        spec.memory.fetch, eqx.filter(state.global_params, eqx.is_inexact_array)
+    )
+    g = replicate(g, spec.num_replicas)
+    replicas = eqx.combine(g, state.replica_params)
+    state = state._replace(
+        replica_params=where_replicas(back, replicas, state.replica_params)
+    )
     if state.residual is not None:
         zero = jax.tree.map(jnp.zeros_like, state.residual)
-        out["residual"] = where_replicas(back, zero, state.residual)
+        state = state._replace(residual=where_replicas(back, zero, state.residual))
     if state.merge_state is not None:
-        fresh = jax.tree.map(spec.policy.init, replicate(g, spec.num_replicas))
-        out["merge_state"] = where_replicas(back, fresh, state.merge_state)
-    return out
+        fresh = jax.tree.map(spec.policy.init, g)
+        state = state._replace(
+            merge_state=where_replicas(back, fresh, state.merge_state)
+        )
+    return state
 
 
 def inner_update(

@@ -33,7 +33,6 @@ from typing import Any, cast
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from ..distributed.board import (
@@ -46,8 +45,8 @@ from ..distributed.board import (
     serve_heals,
 )
 from ..distributed.courier import Courier
-from ..inner import replicate
 from ..jit import jit_step
+from ..streaming import adopt_global
 from . import data as data_lib, train
 from .cluster import Placement
 from .config import RunConfig
@@ -146,7 +145,9 @@ def island(
     _compile(step, _through_host(state), _stack(batches[0]))
     compiled = time.perf_counter() - started  # or loaded from the cache
     _say(replica, f"compiled {compiled:.1f} s after start")
-    state, healed = _heal_if_restarted(board, replica, state, options.timeout_s)
+    state, healed = _heal_if_restarted(
+        board, replica, state, options.timeout_s, r.algorithm.spec
+    )
     if isinstance(step, Courier):  # its in-flight rounds are the peer's to post
         cast(BoardTransport, step.transport).quiet_until = int(state.step)
     board.put(f"joined/{replica}", b"1")
@@ -239,28 +240,19 @@ def _compile(step: Any, state: Any, batch: Any) -> None:
         jax.block_until_ready(step(state, batch))
 
 
-def _heal_if_restarted(board: Board, replica: int, state: Any, timeout_s: float):
+def _heal_if_restarted(
+    board: Board, replica: int, state: Any, timeout_s: float, spec: Any
+):
     """A peer's state with θ_g as parameters if this island ran before (it left
     `joined/<m>` on the board), else `state`; and what healing took."""
     if board.try_get(f"joined/{replica}") is None:
         return state, {}
     asked = time.perf_counter()
     state, size = request_heal(board, replica, state, timeout_s)
-    state = _through_host(adopt_global(state))
+    state = _through_host(adopt_global(spec, state))
     healed = {"seconds": time.perf_counter() - asked, "bytes": size}
     _say(replica, f"healed at step {int(state.step)} ({size} bytes)")
     return state, healed
-
-
-def adopt_global(state: Any) -> Any:
-    """An island's state after it healed: its parameters are θ_g (the inner state
-    and everything shared are the peer's), its error-feedback residual zero."""
-    g = eqx.filter(state.global_params, eqx.is_inexact_array)
-    replicas = eqx.combine(replicate(g, 1), state.replica_params)
-    residual = state.residual
-    if residual is not None:
-        residual = jax.tree.map(jnp.zeros_like, residual)
-    return state._replace(replica_params=replicas, residual=residual)
 
 
 def run_coordinator(

@@ -1,0 +1,159 @@
+"""Tests for sdiloco.merging: merge policies as a seam of the algorithm.
+
+Limit cases of Eager (τ = 0 is α = 0; one replica is the outer step without delay),
+a policy written by a user, the policy state checkpointed, restored and healed like
+the rest of the state, and bad input. The float64 reference of Eager's update is in
+`test_reference.py`.
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import optax
+import pytest
+from helpers import relaxed, toy_batches, toy_loss, toy_params, tree_difference
+
+import sdiloco
+from sdiloco.lab.checkpoint import Checkpointer
+
+
+def _alg(*, M=2, tau=1, merge="eager", alpha=0.5, compressor=None, H=4):
+    params = toy_params(jr.key(0))
+    return params, sdiloco.streaming_diloco(
+        toy_loss,
+        inner=relaxed(optax.adamw(0.05)),
+        num_replicas=M,
+        sync_every=H,
+        fragments=sdiloco.fragments_by_layer(
+            params, blocks=lambda p: p["blocks"], layers_per_fragment=2
+        ),
+        overlap=tau,
+        alpha=alpha,
+        compressor=compressor,
+        merge=merge,
+    )
+
+
+def _run(alg, params, steps, M, state=None):
+    state = alg.init(params, jr.key(7)) if state is None else state
+    step = sdiloco.jit_step(alg)
+    dtype = jax.tree.leaves(params)[0].dtype
+    batches = toy_batches(jr.key(1), steps=steps, replicas=M, dtype=dtype)
+    for b in batches[int(state.step) :]:
+        state, metrics = step(state, b)
+    return state
+
+
+def test_eager_with_no_overlap_is_alpha_zero_bitwise():
+    """τ = 0: the stand-in is replaced in the step that applies it, so the replica
+    takes θ_g, as with α = 0."""
+    params, eager = _alg(tau=0)
+    _, alpha0 = _alg(tau=0, merge="alpha", alpha=0.0)
+    a, b = _run(eager, params, 14, 2), _run(alpha0, params, 14, 2)
+    assert tree_difference(a.replica_params, b.replica_params) is None
+    assert tree_difference(a.global_params, b.global_params) is None
+    assert tree_difference(a.global_params, params, rtol=1e-3, atol=0) is not None
+
+
+def test_eager_with_one_replica_is_the_outer_step_without_delay():
+    """M = 1: the stand-in is the real outer step, so with any τ the replica trains
+    as with τ = 0, α = 0 (up to the rounding of θ_m − θ̃ + θ_g)."""
+    with jax.enable_x64(True):
+        params, eager = _alg(M=1, tau=3)
+        _, now = _alg(M=1, tau=0, merge="alpha", alpha=0.0)
+        params = jax.tree.map(lambda x: x.astype(jnp.float64), params)
+        a, b = _run(eager, params, 17, 1), _run(now, params, 17, 1)
+        # α = 0.5 with the same delay is not the same (the check can fail)
+        _, late = _alg(M=1, tau=3, merge="alpha")
+        c = _run(late, params, 17, 1)
+    assert (
+        tree_difference(a.replica_params, b.replica_params, rtol=1e-12, atol=1e-14)
+        is None
+    )
+    # (θ_g itself lags by τ: some fragment is always in flight with H = 4, τ = 3)
+    assert (
+        tree_difference(c.replica_params, b.replica_params, rtol=1e-6, atol=0)
+        is not None
+    )
+
+
+class Halfway(sdiloco.MergePolicy):
+    """A user's policy: on arrival, move halfway from the replica to θ_g, and keep a
+    count of the merges per element (to exercise policy state)."""
+
+    @property
+    def stateful(self) -> bool:
+        return True
+
+    def init(self, replica):
+        return jnp.zeros_like(replica)
+
+    def on_arrival(self, replica, global_, due, ok, state):
+        new = jnp.where(ok[None], 0.5 * replica + 0.5 * global_[None], global_[None])
+        return jnp.where(due, new, replica), state + due.astype(state.dtype)
+
+
+def test_a_users_policy_is_the_alpha_merge_it_restates():
+    params, mine = _alg(merge=Halfway())
+    _, alpha = _alg(merge="alpha", alpha=0.5)
+    a, b = _run(mine, params, 14, 2), _run(alpha, params, 14, 2)
+    assert tree_difference(a.replica_params, b.replica_params) is None
+    counts = np.asarray(a.merge_state["v"])  # fragment 0 merged at steps 5, 9, 13
+    np.testing.assert_array_equal(counts, np.full_like(counts, 3.0))
+
+
+def test_policy_state_is_checkpointed_and_restored_bitwise(tmp_path):
+    params, alg = _alg(compressor="int4,ef")
+    whole = _run(alg, params, 14, 2)
+    half = _run(alg, params, 9, 2)
+    assert tree_difference(half.merge_state, alg.init(params).merge_state) is not None
+    ckpt = Checkpointer(tmp_path, config_json="{}")
+    ckpt.save(9, half, {})
+    template = alg.init(params, jr.key(7))
+    restored, _ = ckpt.restore(template)
+    assert tree_difference(restored.merge_state, half.merge_state) is None
+    resumed = _run(alg, params, 14, 2, state=restored)
+    assert tree_difference(resumed, whole) is None
+
+
+def test_a_replica_that_comes_back_starts_its_policy_state_from_theta_g():
+    params, alg = _alg()
+    state = _run(alg, params, 9, 2)
+    step = jax.jit(alg.step)
+    batch = toy_batches(jr.key(2), steps=1, replicas=2)[0]
+    gone = sdiloco.Participation.of([True, False])
+    state, _ = step(state, batch, gone)
+    back = sdiloco.everyone(2)
+    state, _ = step(state, batch, back)
+    g = np.asarray(state.global_params["v"])
+    np.testing.assert_array_equal(np.asarray(state.merge_state["v"])[1], g)
+
+
+def test_bad_merge_is_refused_before_any_compute():
+    with pytest.raises(ValueError, match="merge='lazy'; allowed: one of"):
+        _alg(merge="lazy")
+    with pytest.raises(ValueError, match="merge='eager' with weighting='tokens'"):
+        sdiloco.streaming_diloco(
+            toy_loss, inner=optax.sgd(0.1), merge="eager", weighting="tokens"
+        )
+    with pytest.raises(ValueError, match=r"alpha=1.5; must be in \[0, 1\]"):
+        sdiloco.AlphaMerge(1.5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_eager_compiles_once_and_keeps_the_state_stable(dtype):
+    params, alg = _alg(compressor="topk:0.5/4,int2:sr,ef:0.9")
+    params = jax.tree.map(lambda x: x.astype(dtype), params)
+    step = eqx.filter_jit(eqx.debug.assert_max_traces(alg.step, max_traces=1))
+    state = alg.init(params, jr.key(0))
+    before = jax.tree.map(lambda x: (x.shape, x.dtype), state)
+    for b in toy_batches(jr.key(1), steps=10, replicas=2, dtype=dtype):
+        state, metrics = step(state, b)
+        assert jax.tree.map(lambda x: (x.shape, x.dtype), state) == before
+    assert all(x.dtype == dtype for x in jax.tree.leaves(state.merge_state))
+    cond_step = jax.jit(
+        lambda s, b, p: jax.lax.cond(p, lambda s: alg.step(s, b)[0], lambda s: s, s)
+    )
+    cond_step(state, b, True)
