@@ -262,19 +262,10 @@ def streaming_diloco(
             value and what is allowed.
     """
     outer = optax.sgd(0.4, momentum=0.9, nesterov=True) if outer is None else outer
-    compressor, feedback = _check_options(
-        alpha, nonfinite, compressor, error_feedback, fragments, heal, weighting
+    compressor, feedback, policy = _check_options(
+        alpha, nonfinite, compressor, error_feedback, fragments, heal, weighting, merge
     )
-    policy = merge_policy(merge, alpha)
-    if policy.acts_on_send and weighting != "uniform":
-        raise ValueError(
-            f"merge={merge!r} with weighting={weighting!r}; allowed: "
-            "weighting='uniform' (a stand-in is the replica's own, unweighted Δ)."
-        )
-    num_fragments = 1 if fragments is None else fragments.num_fragments
-    schedule = make_schedule(
-        sync_every, num_fragments, num_replicas, overlap, first_send
-    )
+    schedule = _schedule(sync_every, fragments, num_replicas, overlap, first_send)
     _check_exchange(exchange, schedule)
     spec = StreamingSpec(
         loss_fn=loss_fn,
@@ -304,10 +295,10 @@ def streaming_diloco(
     ) -> tuple[StreamingState, Metrics]:
         return streaming_step(spec, state, batch, participation)
 
-    bits_per_fragment = ft.partial(_bits_per_fragment, spec)
     init.__doc__ = streaming_init.__doc__
     step.__doc__ = streaming_step.__doc__
-    return Algorithm(init, step, bits_per_fragment, num_replicas, spec)
+    bits = ft.partial(_bits_per_fragment, spec)
+    return Algorithm(init, step, bits, num_replicas, spec)
 
 
 def diloco(
@@ -650,19 +641,12 @@ def send(
             carry = _on_send(spec, v, carry, outer, own, sends)
         return carry
 
-    key = jr.fold_in(state.key, t)
     g_tree = eqx.filter(state.global_params, eqx.is_inexact_array)
     replicas, static = eqx.partition(state.replica_params, eqx.is_inexact_array)
     outer = (g_tree, state.outer_state) if spec.policy.acts_on_send else None
+    key = jr.fold_in(state.key, t)
     inputs = (_leaves(g_tree), jax.tree.leaves(replicas), key, outer)
-    carry = {
-        "slots": state.inflight,
-        "ok": state.inflight_ok,
-        "residual": _maybe_leaves(state.residual),
-        "outbox": state.outbox,
-        "replicas": jax.tree.leaves(replicas) if spec.policy.acts_on_send else None,
-        "merge_state": _maybe_leaves(state.merge_state),
-    }
+    carry = _send_carry(spec, state, replicas)
     sent = jnp.asarray(spec.schedule.sent(t))
     carry = layout.for_each(sent, one, carry, inputs)
     if carry["replicas"] is not None:
@@ -678,6 +662,21 @@ def send(
         outbox=carry["outbox"],
         merge_state=_maybe_tree(state.merge_state, carry["merge_state"]),
     )
+
+
+def _send_carry(spec: StreamingSpec, state: StreamingState, replicas: Any) -> dict:
+    """What `send`'s loop over fragments updates: the in-flight slots and flags, the
+    error-feedback residual, the outbox, and for a policy that acts on the send the
+    replicas and the policy's state (as leaf lists, None when absent)."""
+    acts = spec.policy.acts_on_send
+    return {
+        "slots": state.inflight,
+        "ok": state.inflight_ok,
+        "residual": _maybe_leaves(state.residual),
+        "outbox": state.outbox,
+        "replicas": jax.tree.leaves(replicas) if acts else None,
+        "merge_state": _maybe_leaves(state.merge_state),
+    }
 
 
 def _on_send(spec, v, carry, outer, own, sends):
@@ -843,9 +842,10 @@ def merge_arrivals(
 
 
 def _check_options(
-    alpha, nonfinite, compressor, error_feedback, fragments, heal, weighting
+    alpha, nonfinite, compressor, error_feedback, fragments, heal, weighting, merge
 ):
-    """Validate `streaming_diloco`'s options; returns the compressor (a name built)."""
+    """Validate `streaming_diloco`'s options; returns the compressing stages, the
+    error feedback (or None) and the merge policy."""
     if heal not in HEAL_POLICIES:
         raise ValueError(f"heal={heal!r}; allowed: {HEAL_POLICIES}.")
     if weighting not in WEIGHTINGS:
@@ -878,7 +878,13 @@ def _check_options(
         )
     if fragments is not None and not isinstance(fragments, Fragments):
         raise ValueError(f"fragments={fragments!r} is not a Fragments.")
-    return codec, feedback
+    policy = merge_policy(merge, alpha)
+    if policy.acts_on_send and weighting != "uniform":
+        raise ValueError(
+            f"merge={merge!r} with weighting={weighting!r}; allowed: "
+            "weighting='uniform' (a stand-in is the replica's own, unweighted Δ)."
+        )
+    return codec, feedback, policy
 
 
 def _deltas_sent(
@@ -905,6 +911,12 @@ def _deltas_sent(
             d * w.reshape((-1,) + (1,) * (d.ndim - 1)).astype(d.dtype) for d in deltas
         ]
     return deltas
+
+
+def _schedule(sync_every, fragments, num_replicas, overlap, first_send) -> Schedule:
+    """The sync schedule of `streaming_diloco`'s arguments (validated)."""
+    num_fragments = 1 if fragments is None else fragments.num_fragments
+    return make_schedule(sync_every, num_fragments, num_replicas, overlap, first_send)
 
 
 def _check_exchange(exchange: Exchange | PostedExchange, schedule: Schedule) -> None:

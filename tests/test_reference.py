@@ -35,6 +35,15 @@ def _np_grads(p, x, y):
     }
 
 
+def _flat(p):
+    """The toy parameters as NumPy arrays named as the references name them."""
+    return {
+        "v": np.asarray(p["v"]),
+        "W": np.asarray(p["blocks"]["W"]),
+        "u": np.asarray(p["blocks"]["u"]),
+    }
+
+
 def _np_labels(layers, k, single):
     """Fragment of every element: v -> 0, layer l -> 1 + l mod (L / k) (strided)."""
     if single:
@@ -148,22 +157,15 @@ def test_matches_float64_numpy_reference(H, k, taus, alpha, single):
             applied += int(np.asarray(metrics["sync/applied"]).sum())
         assert applied >= 2
 
-        def flat(p):
-            return {
-                "v": np.asarray(p["v"]),
-                "W": np.asarray(p["blocks"]["W"]),
-                "u": np.asarray(p["blocks"]["u"]),
-            }
-
         np_batches = [(np.asarray(b["x"]), np.asarray(b["y"])) for b in batches]
         g, reps = _reference(
-            flat(params), np_batches, H=H, k=k, taus=taus, alpha=alpha, single=single
+            _flat(params), np_batches, H=H, k=k, taus=taus, alpha=alpha, single=single
         )
-        for n, v in flat(state.global_params).items():
+        for n, v in _flat(state.global_params).items():
             np.testing.assert_allclose(v, g[n], rtol=1e-12, atol=1e-12)
-            assert not np.allclose(v, flat(params)[n])
+            assert not np.allclose(v, _flat(params)[n])
         for m in range(M):
-            for n, v in flat(sdiloco.replica_params(state, m)).items():
+            for n, v in _flat(sdiloco.replica_params(state, m)).items():
                 np.testing.assert_allclose(v, reps[m][n], rtol=1e-12, atol=1e-12)
 
 
@@ -308,16 +310,9 @@ def test_beyond_the_paper_matches_float64_numpy_reference(spec, beta, mu, merge,
         for b in batches:
             state, _ = step(state, b)
 
-        def flat(p):
-            return {
-                "v": np.asarray(p["v"]),
-                "W": np.asarray(p["blocks"]["W"]),
-                "u": np.asarray(p["blocks"]["u"]),
-            }
-
         np_batches = [(np.asarray(b["x"]), np.asarray(b["y"])) for b in batches]
         g, reps = _reference_beyond(
-            flat(params),
+            _flat(params),
             np_batches,
             H=H,
             k=k,
@@ -327,9 +322,9 @@ def test_beyond_the_paper_matches_float64_numpy_reference(spec, beta, mu, merge,
             mu=mu,
             eager=merge == "eager",
         )
-        for n, v in flat(state.global_params).items():
+        for n, v in _flat(state.global_params).items():
             np.testing.assert_allclose(v, g[n], rtol=1e-10, atol=1e-12)
-            assert not np.allclose(v, flat(params)[n])
+            assert not np.allclose(v, _flat(params)[n])
         for m in range(M):
-            for n, v in flat(sdiloco.replica_params(state, m)).items():
+            for n, v in _flat(sdiloco.replica_params(state, m)).items():
                 np.testing.assert_allclose(v, reps[m][n], rtol=1e-10, atol=1e-12)

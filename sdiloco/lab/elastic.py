@@ -145,9 +145,7 @@ def island(
     _compile(step, _through_host(state), _stack(batches[0]))
     compiled = time.perf_counter() - started  # or loaded from the cache
     _say(replica, f"compiled {compiled:.1f} s after start")
-    state, healed = _heal_if_restarted(
-        board, replica, state, options.timeout_s, r.algorithm.spec
-    )
+    state, healed = _heal_if_restarted(board, r, replica, state, options)
     if isinstance(step, Courier):  # its in-flight rounds are the peer's to post
         cast(BoardTransport, step.transport).quiet_until = int(state.step)
     board.put(f"joined/{replica}", b"1")
@@ -241,15 +239,15 @@ def _compile(step: Any, state: Any, batch: Any) -> None:
 
 
 def _heal_if_restarted(
-    board: Board, replica: int, state: Any, timeout_s: float, spec: Any
+    board: Board, r: train.Run, replica: int, state: Any, options: BoardOptions
 ):
     """A peer's state with θ_g as parameters if this island ran before (it left
     `joined/<m>` on the board), else `state`; and what healing took."""
     if board.try_get(f"joined/{replica}") is None:
         return state, {}
     asked = time.perf_counter()
-    state, size = request_heal(board, replica, state, timeout_s)
-    state = _through_host(adopt_global(spec, state))
+    state, size = request_heal(board, replica, state, options.timeout_s)
+    state = _through_host(adopt_global(r.algorithm.spec, state))
     healed = {"seconds": time.perf_counter() - asked, "bytes": size}
     _say(replica, f"healed at step {int(state.step)} ({size} bytes)")
     return state, healed
