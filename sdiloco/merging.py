@@ -131,6 +131,7 @@ class Eager(MergePolicy):
 
     def on_arrival(self, replica, global_, due, ok, state):
         """`θ_m − θ̃_m + θ_g` where due (θ_g where the outer gradient failed)."""
+        assert state is not None  # a stateful policy: the core passes its state
         wide = compute_dtype(replica.dtype)
         g = jnp.broadcast_to(global_[None], replica.shape)
         fixed = replica.astype(wide) - state.astype(wide) + g.astype(wide)

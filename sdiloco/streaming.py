@@ -720,9 +720,9 @@ def _maybe_leaves(tree: Any) -> list[Array] | None:
 
 
 def _maybe_tree(like: Any, leaves: list[Array] | None) -> Any:
-    return (
-        None if like is None else jax.tree.unflatten(jax.tree.structure(like), leaves)
-    )
+    if like is None or leaves is None:
+        return None
+    return jax.tree.unflatten(jax.tree.structure(like), leaves)
 
 
 def receive(spec: StreamingSpec, state: StreamingState) -> StreamingState:
@@ -901,6 +901,7 @@ def _deltas_sent(
     weight `M·w_m / Σw` (so that the exchange's mean is the weighted mean)."""
     deltas = _outer_gradients(spec, v, g_leaves, r_leaves)
     if spec.feedback is not None:  # error feedback: what the last sends left out
+        assert residual is not None  # the state holds one with error feedback
         residual = v.gather(residual, 1)
         deltas = [spec.feedback.accumulate(d, e) for d, e in zip(deltas, residual)]
     if sends is not None:  # nothing of a replica that does not send

@@ -348,10 +348,9 @@ def chain(*stages: Compressor | ErrorFeedback) -> Compressor:
         >>> c.bits((64,))  # 8 chunks x 2 kept x (2 + 3 bits) + one float32 scale
         112
     """
-    *codec, last = stages if stages else (None,)
-    feedback = last if isinstance(last, ErrorFeedback) else None
-    codec = list(codec) if feedback is not None else list(stages)
-    for i, stage in enumerate(codec):
+    feedback = stages[-1] if stages and isinstance(stages[-1], ErrorFeedback) else None
+    codec: list[Compressor] = []
+    for i, stage in enumerate(stages[:-1] if feedback is not None else stages):
         if isinstance(stage, ErrorFeedback):
             raise ValueError(
                 f"chain stage {i} is error_feedback, which must be the last stage."
@@ -360,6 +359,7 @@ def chain(*stages: Compressor | ErrorFeedback) -> Compressor:
             raise ValueError(
                 f"chain stage {i}={stage!r} is not a Compressor or error_feedback."
             )
+        codec.append(stage)
     return Chain(stages=tuple(codec), feedback=feedback)
 
 
