@@ -48,6 +48,7 @@ from jax.sharding import PartitionSpec
 
 import sdiloco
 from sdiloco import communication, distributed
+from sdiloco.compression.stages import split_feedback
 
 
 M = 4
@@ -137,10 +138,20 @@ class _Jitter(sdiloco.Compressor):
         (sdiloco.quantizer("e4m3", granularity="block", block_size=5), 4),
         (sdiloco.quantizer("bf16"), 4),
         (None, 4),
-        (_Jitter(), 4),  # any other compressor: dense values on the wire
+        (_Jitter(), 4),  # a compressor without a message of its own: dense values
+        # Messages with integer fields of several widths, sparse values, seeds:
+        ("int2,ef", 4),
+        ("topk:0.02/64,int2,ef:0.9", 4),
+        ("topk:0.02/64,int2,ef:0.9", 2),
+        ("int8mm", 4),
+        ("topk:0.1", 4),
+        ("dare:0.5", 4),
+        ("topk:0.05/32,int4:sr", 4),
     ],
 )
 def test_exchange_equals_the_simulation(compressor, devices):
+    if isinstance(compressor, str):  # what the step exchanges: the stages before EF
+        compressor, _ = split_feedback(sdiloco.compression.parse(compressor))
     params = toy_params(jr.key(0))
     frags = _frags(params)
     deltas = _deltas(params, jr.key(1))
