@@ -121,7 +121,8 @@ def reached_text(times: list[float]) -> str:
     return f"{ex.mean_pm(ex.describe(done), 0)} ({len(done)}/{len(times)})"
 
 
-rows, curves = [], {m: {"loss": [], "goodput": [], "time": []} for m in METHODS}
+rows = []
+curves = {m: {"loss": [], "goodput": [], "time": [], "down": []} for m in METHODS}
 for method in METHODS:
     for rate in RATES:
         runs = [
@@ -157,6 +158,7 @@ for method in METHODS:
         curves[method]["loss"].append(finals(method, rate))
         curves[method]["goodput"].append(goodput)
         curves[method]["time"].append(reach)
+        curves[method]["down"].append(1 - np.mean([t["alive"] for t in times]))
 
 columns = list(rows[0])
 first = configs[names["Streaming FP4", 0.0, SEEDS[0]]]
@@ -195,16 +197,18 @@ for method, color in zip(METHODS, ("tab:gray", "tab:blue", "tab:red")):
         values = np.asarray(curves[method][key], np.float64)
         mean = values.mean(1)
         half = [ex.t_half_width(row) for row in values]
+        down = 100 * np.asarray(curves[method]["down"])  # the trace's, per rate
         ax.errorbar(
-            RATES, mean, yerr=half, marker="o", capsize=3, color=color, label=method
+            down, mean, yerr=half, marker="o", capsize=3, color=color, label=method
         )
 axes[0].set_ylabel("held-out loss (nats/byte)")
 axes[1].set_ylabel("goodput (useful compute ÷ M × wall-clock)")
 for ax in axes:
-    ax.set_xlabel("failures per replica over the run")
+    ax.set_xlabel("down-time per replica (% of the run)")
 axes[0].legend()
 fig.suptitle(
-    f"Replicas that fail ({ex.MODEL}, M = 4; bars: 95 % t-intervals over seeds)"
+    f"Replicas that fail ({ex.MODEL}, M = 4; {', '.join(f'{r:g}' for r in RATES)} "
+    "failures per replica; bars: 95 % t-intervals over seeds)"
 )
 plotting.save_figure(
     fig, NOTEBOOK, notebook=NOTEBOOK, config=first, seeds=SEEDS, results=rows

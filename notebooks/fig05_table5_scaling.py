@@ -258,7 +258,8 @@ axes[1].set_ylabel("loss relative to Data-Parallel (%)")
 axes[1].set_title("(b) gap to Data-Parallel (bars: 95 % seed-paired t-intervals)")
 axes[1].legend(fontsize=8)
 fig.suptitle(
-    "Fig. 5: scaling (HellaSwag, panel (b) of the paper, is not computable offline)"
+    "Fig. 5: scaling (the paper's HellaSwag panel is not computable offline; "
+    "(b) here is the gap to Data-Parallel)"
 )
 untuned_warmup = [
     s

@@ -104,30 +104,35 @@ print(plotting.markdown_table(rows))
 fig, ax = plt.subplots()
 for alpha, color in zip(ALPHAS, ("tab:gray", "tab:red")):
     means = [stats[f"tau={t}|alpha={alpha}"]["mean"] for t in TAUS]
-    stds = [stats[f"tau={t}|alpha={alpha}"]["std"] for t in TAUS]
+    halves = [
+        ex.t_half_width(ex.finals(results, f"tau={t}|alpha={alpha}")) for t in TAUS
+    ]
     ax.errorbar(
         TAUS,
         means,
-        yerr=stds,
+        yerr=halves,
         marker="o",
         capsize=3,
         color=color,
         label=f"Streaming, α = {alpha}",
     )
+dp_half = ex.t_half_width(ex.finals(baseline, "Data-Parallel"))
 ax.axhspan(
-    dp["mean"] - dp["std"],
-    dp["mean"] + dp["std"],
+    dp["mean"] - dp_half,
+    dp["mean"] + dp_half,
     color=plotting.METHOD_COLORS["data_parallel"],
     alpha=0.2,
 )
 ax.axhline(
     dp["mean"],
     color=plotting.METHOD_COLORS["data_parallel"],
-    label="Data-Parallel (± std)",
+    label="Data-Parallel (95 % t-interval)",
 )
 ax.set_xlabel("overlapped inner steps τ")
 ax.set_ylabel("held-out loss (nats/byte)")
-ax.set_title(f"Fig. 8: overlap τ (H = {H}; mean ± std over {len(SEEDS)} seeds)")
+ax.set_title(
+    f"Fig. 8: overlap τ (H = {H}; mean of {len(SEEDS)} seeds ± 95 % t-interval)"
+)
 ax.legend()
 plotting.save_figure(
     fig,

@@ -192,7 +192,7 @@ for i, size in enumerate(SIZES):
         ax.set_ylabel("validation loss")
 axs[0, 0].legend(fontsize=8)
 fig.tight_layout()
-plotting.save_figure(fig, "hyperparameter_sweep", notebook=NOTEBOOK, seeds=SEEDS)
+_ = plotting.save_figure(fig, "hyperparameter_sweep", notebook=NOTEBOOK, seeds=SEEDS)
 
 # %% [markdown]
 # ## The headline: each method at its tuned setting, on the held-out split
@@ -375,7 +375,7 @@ ax_r.set_xlabel(
 )
 ax_r.set_title("Against the number of outer rounds (Streaming FP4)")
 fig.tight_layout()
-plotting.save_figure(
+_ = plotting.save_figure(
     fig,
     "hyperparameter_sweep_headline",
     notebook=NOTEBOOK,

@@ -362,7 +362,7 @@ for model_name in MODELS:
             }
         )
 print(plotting.markdown_table(offload_rows))
-plotting.save_table(
+_ = plotting.save_table(
     offload_rows,
     "memory_overhead_offload",
     title="§2.5: the library's Streaming state per replica, with and without offload",

@@ -121,7 +121,7 @@ notes = (
     "bit/param in our simulator. Paper numbers: docs/paper.md §9 (OpenReview "
     "rebuttal), rounded, unit written 'GiB'."
 )
-plotting.save_table(
+_ = plotting.save_table(
     table,
     "rebuttal_wall_clock",
     title="Rebuttal table: wall-clock time of a 1B model, 186,250 steps (paper vs ours)",

@@ -84,3 +84,38 @@ def test_wheel_install_finds_no_notebooks_and_writes_nothing(tmp_path):
     assert pathlib.Path(package) == site / "sdiloco"
     assert pathlib.Path(root) == work
     assert _files(site) == before
+
+
+def _git(*args: str, cwd: pathlib.Path) -> str:
+    return subprocess.run(
+        ["git", *args], cwd=cwd, capture_output=True, text=True, check=True
+    ).stdout
+
+
+@pytest.mark.notebook
+def test_rerendering_a_clean_clone_leaves_git_status_clean(tmp_path):
+    # A fresh clone of this checkout (its uncommitted tracked changes committed on
+    # top), then the figure command on notebooks that read records (fig08, with a
+    # table and a figure sharing one JSON) and none (fig02), two at a time.
+    clone = tmp_path / "clone"
+    _git("clone", "--quiet", "--shared", str(ROOT), str(clone), cwd=tmp_path)
+    for name in _git("diff", "--name-only", "HEAD", cwd=ROOT).splitlines():
+        if (ROOT / name).is_file():
+            shutil.copy2(ROOT / name, clone / name)
+    _git("add", "-u", cwd=clone)
+    identity = ["-c", "user.name=test", "-c", "user.email=test@example.com"]
+    _git(*identity, "commit", "--quiet", "--allow-empty", "-m", "wip", cwd=clone)
+    proc = subprocess.run(
+        [sys.executable, "-m", "sdiloco.paper", "fig08", "fig02", "--jobs", "2"],
+        cwd=clone,
+        env={**os.environ, "PYTHONPATH": str(clone)},  # the inline backend
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 3 and len(set(lines)) == 3, proc.stdout  # one per notebook
+    assert lines[-1].startswith("2/2 notebooks")
+    assert "without encryption" not in proc.stdout + proc.stderr
+    assert _git("status", "--porcelain", cwd=clone) == ""

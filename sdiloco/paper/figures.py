@@ -16,13 +16,20 @@ with the artifacts, so a fresh checkout re-renders every notebook from the recor
 seconds; `--retrain` trains them again.
 
 NAME selects notebooks whose file name contains it (e.g. `fig08`, `table4`); none runs
-them all. `--jobs 2` runs two notebooks at a time. A full-mode execution records in
-`paper_figures/runtimes.json`, per notebook: the time to render it (`render_s`, its
-wall time less the training it did in that execution), its learning runs (`runs`), how
-many it trained then (`trained`), their training time summed from their records
-(`train_s`, whenever they trained: re-rendering from records does not erase what
-training took) and how many of the records it read were stale (`stale`: made by code
-of another numerics fingerprint, `provenance`).
+them all. `--jobs 2` runs two notebooks at a time; each prints one line. A full-mode
+execution measures, per notebook: the time to render it (`render_s`, its wall time
+less the training it did in that execution), its learning runs (`runs`), how many it
+trained then (`trained`), their training time summed from their records (`train_s`,
+whenever they trained: re-rendering from records does not erase what training took)
+and how many of the records it read were stale (`stale`: made by code of another
+numerics fingerprint, `provenance`). An execution that trained something, or a
+notebook not listed yet, writes this into `paper_figures/runtimes.json`; a re-render
+from records writes it into `runs/runtimes.json` of the checkout (not tracked).
+
+A re-render writes only what changed: a notebook whose outputs are those already
+saved, an artifact whose bytes are equal, a sidecar JSON that differs only in its
+stamps (time, commit, machine) are left as they are, so re-rendering a clean
+checkout leaves `git status` clean.
 
 The notebooks and outputs are those of a repository checkout: the one holding the
 current directory, or `$SDILOCO_REPO`, or `--notebooks DIR` (see `plotting.repo_root`).
@@ -39,6 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 from . import experiments, provenance
 from .plotting import repo_root
@@ -90,6 +98,7 @@ def execute(
     """
     import jupytext
     import nbclient
+    from traitlets.config import Config
 
     os.environ["SDILOCO_FAST"] = "1" if fast else "0"
     os.environ["SDILOCO_FIGURES_DIR"] = str(out_dir)
@@ -100,12 +109,16 @@ def execute(
     with tempfile.TemporaryDirectory() as tmp:
         log = pathlib.Path(tmp) / "runs.jsonl"
         os.environ[experiments.RUN_LOG] = str(log)  # read by the kernel's run_one
+        # The kernel on local sockets (not TCP, which warns about encryption).
+        sockets = {"transport": "ipc", "ip": str(pathlib.Path(tmp) / "kernel")}
         start = time.perf_counter()
         try:
             nbclient.NotebookClient(
                 nb,
+                config=Config({"KernelManager": sockets}),
                 timeout=None,
                 kernel_name="python3",
+                record_timing=False,  # no timestamps in the saved notebook
                 resources={"metadata": {"path": str(path.parent)}},
             ).execute()
         finally:
@@ -113,8 +126,35 @@ def execute(
         wall = time.perf_counter() - start
         runs = run_times(log.read_text().splitlines() if log.exists() else [])
     if not fast:
-        jupytext.write(nb, path.with_suffix(".ipynb"))
+        save_notebook(nb, path.with_suffix(".ipynb"))
     return wall, runs
+
+
+def save_notebook(nb: Any, path: pathlib.Path) -> bool:
+    """Write the executed notebook `nb` to `path` unless it holds the same cells and
+    outputs already (cell ids and execution timestamps aside); the saved cells'
+    ids are kept. Returns whether it wrote."""
+    import jupytext
+
+    if path.exists():
+        old = jupytext.read(path)
+        if len(old.cells) == len(nb.cells):
+            for new, was in zip(nb.cells, old.cells):
+                if "id" in was:
+                    new["id"] = was["id"]
+        saved = jupytext.reads(jupytext.writes(nb, fmt="ipynb"), fmt="ipynb")
+        if _comparable(old) == _comparable(saved):  # both as read from a file
+            return False
+    jupytext.write(nb, path)
+    return True
+
+
+def _comparable(nb: Any) -> Any:
+    """`nb` as JSON without what changes at every execution."""
+    d = json.loads(json.dumps(nb))
+    for cell in d.get("cells", []):
+        cell.get("metadata", {}).pop("execution", None)
+    return d
 
 
 def run_times(lines: list[str]) -> dict:
@@ -138,10 +178,17 @@ def run_times(lines: list[str]) -> dict:
 
 
 def _record(out_dir: pathlib.Path, name: str, wall: float, runs: dict) -> None:
+    """The notebook's times into `out_dir/runtimes.json` if it trained or is not
+    listed there, else (a re-render from records) into `runs/runtimes.json`."""
+    render = max(0.0, wall - runs.pop("trained_now_s", 0.0))
+    entry = {"render_s": round(render, 1), **runs}
     path = out_dir / "runtimes.json"
     times = json.loads(path.read_text()) if path.exists() else {}
-    render = max(0.0, wall - runs.pop("trained_now_s", 0.0))
-    times[name] = {"render_s": round(render, 1), **runs}
+    if name in times and not runs.get("trained"):
+        path = repo_root() / "runs" / "runtimes.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        times = json.loads(path.read_text()) if path.exists() else {}
+    times[name] = entry
     path.write_text(json.dumps(dict(sorted(times.items())), indent=1) + "\n")
 
 
@@ -185,6 +232,7 @@ def _parser() -> argparse.ArgumentParser:
         "provenance.OTHER_MACHINE_RTOL otherwise; exit 1 if one fails or none exists",
     )
     p.add_argument("--list", action="store_true", help="list the notebooks and exit")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     return p
 
 
@@ -212,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     default = root / ("runs/figures-fast" if args.fast else "paper_figures")
     out_dir = pathlib.Path(args.out or default).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
-    return _run_all(paths, out_dir, args.fast, args.jobs)
+    return _run_all(paths, out_dir, args.fast, args.jobs, child=args.child)
 
 
 def _verify(k: int) -> int:
@@ -249,13 +297,16 @@ def _run_one(
         _, runs = execute(path, fast=fast, out_dir=out_dir)
         return path.stem, time.perf_counter() - start, 0, runs
     cmd = [sys.executable, "-m", "sdiloco.paper", path.stem, "--out", str(out_dir)]
-    cmd += ["--notebooks", str(path.parent)] + (["--fast"] if fast else [])
-    rc = subprocess.run(cmd).returncode
-    return path.stem, time.perf_counter() - start, rc, {}
+    cmd += ["--notebooks", str(path.parent), "--child"] + (["--fast"] if fast else [])
+    rc = subprocess.run(cmd).returncode  # the child prints the notebook's line
+    return path.stem, time.perf_counter() - start, rc, {"child": True}
 
 
-def _run_all(paths: list, out_dir: pathlib.Path, fast: bool, jobs: int) -> int:
-    """Run the notebooks, `jobs` at a time; 1 if any failed."""
+def _run_all(
+    paths: list, out_dir: pathlib.Path, fast: bool, jobs: int, child: bool = False
+) -> int:
+    """Run the notebooks, `jobs` at a time, one line each; 1 if any failed. A
+    `child` (one notebook for a parent running several) prints no total."""
     failed = []
     total = time.perf_counter()
     alone = len(paths) == 1
@@ -267,14 +318,15 @@ def _run_all(paths: list, out_dir: pathlib.Path, fast: bool, jobs: int) -> int:
                 status += f"; {runs['stale']} of {runs['runs']} records have another "
                 status += "numerics fingerprint (stale: other code, or this code on "
                 status += "another machine type)"
-            print(f"{name}: {status} in {wall:.0f} s", flush=True)
+            if not runs.get("child") or rc:  # a child printed its own line
+                print(f"{name}: {status} in {wall:.0f} s", flush=True)
             if rc:
                 failed.append(name)
             elif not fast and alone:
                 _record(out_dir, name, wall, runs)
-    print(
-        f"{len(paths) - len(failed)}/{len(paths)} notebooks in {time.perf_counter() - total:.0f} s"
-    )
+    if not child:
+        total_s = time.perf_counter() - total
+        print(f"{len(paths) - len(failed)}/{len(paths)} notebooks in {total_s:.0f} s")
     return 1 if failed else 0
 
 

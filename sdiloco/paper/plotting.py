@@ -8,7 +8,9 @@ artifact in `paper_figures/` comes with the same metadata and the same look:
   and `<name>.json`.
 
 The JSON records the configuration, seeds, package versions, git commit, whether the
-notebook ran in FAST mode and how long it took. `FAST` (environment variable
+notebook ran in FAST mode and how long it took. A file whose bytes would not change is
+not written again, and a JSON that would differ only in its stamps (`STAMPS`: time,
+commit, machine) is left as it is, so re-rendering leaves a clean checkout clean. `FAST` (environment variable
 `SDILOCO_FAST=1`) selects the notebooks' small mode; `SDILOCO_FIGURES_DIR` redirects the
 output (the tests write to a temporary directory).
 
@@ -20,7 +22,9 @@ import csv
 import dataclasses
 import datetime
 import importlib.metadata
+import io
 import json
+import math
 import os
 import pathlib
 import platform
@@ -75,6 +79,10 @@ METHOD_COLORS: dict[str, str] = {
     "streaming_overlap_fp4": "tab:red",
 }
 """The paper's colours: Data-Parallel blue, DiLoCo orange, Streaming green, ours red."""
+
+STAMPS = ("created", "wall_s_since_import", "git_commit", "machine")
+"""Fields of an artifact's JSON that change at every execution: they are written
+only with a change of anything else."""
 
 _START = time.perf_counter()
 _PACKAGES = ("sdiloco", "jax", "jaxlib", "equinox", "optax", "numpy", "matplotlib")
@@ -140,7 +148,10 @@ def versions() -> dict[str, str]:
 
 def _jsonable(x: Any) -> Any:
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
-        return _jsonable(dataclasses.asdict(x))
+        d = dataclasses.asdict(x)
+        if "vocab_size" in d and d["vocab_size"] is None:  # RunConfig's default,
+            del d["vocab_size"]  # left out as its own JSON does (older sidecars)
+        return _jsonable(d)
     if isinstance(x, Mapping):
         return {str(k): _jsonable(v) for k, v in x.items()}
     if isinstance(x, list | tuple):
@@ -161,9 +172,13 @@ def write_meta(
     config: Any = None,
     seeds: Sequence[int] = (),
     results: Any = None,
+    changed: bool = False,
     **extra: Any,
 ) -> pathlib.Path:
-    """Write `<name>.json`: config, seeds, versions, commit, mode, wall time, results."""
+    """Write `<name>.json`: config, seeds, versions, commit, mode, wall time, results.
+
+    An existing `<name>.json` that differs only in its `STAMPS` is left as it is,
+    unless `changed` (the artifact itself was written anew)."""
     meta = {
         "artifact": name,
         "notebook": notebook,
@@ -179,8 +194,49 @@ def write_meta(
         **{k: _jsonable(v) for k, v in extra.items()},
     }
     path = output_dir() / f"{name}.json"
+    if path not in _BEFORE:  # as this process found it (a table and a figure may
+        _BEFORE[path] = path.read_bytes() if path.exists() else None  # share it)
+    before = _BEFORE[path]
+    if before is not None and not changed:
+        try:
+            old = json.loads(before)
+        except ValueError:
+            old = None
+        if isinstance(old, dict) and _same(
+            _unstamped(old), _unstamped(_jsonable(meta))
+        ):
+            _write(path, before)
+            return path
     path.write_text(json.dumps(meta, indent=1) + "\n")
     return path
+
+
+_BEFORE: dict[pathlib.Path, bytes | None] = {}
+"""Each sidecar JSON as it was before this process first wrote it."""
+
+
+def _unstamped(meta: dict) -> dict:
+    return {k: v for k, v in meta.items() if k not in STAMPS}
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal JSON, floats within 1e-12 relative (a sum's last bit differs between
+    machines; no result is read at that precision)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) and isinstance(b, float):
+        return a == b or math.isclose(a, b, rel_tol=1e-12) or (a != a and b != b)
+    return a == b
+
+
+def _write(path: pathlib.Path, data: bytes) -> bool:
+    """Write `data` to `path` unless it holds those bytes already; whether it wrote."""
+    if path.exists() and path.read_bytes() == data:
+        return False
+    path.write_bytes(data)
+    return True
 
 
 def save_figure(fig, name: str, *, label: str = "", **meta: Any) -> pathlib.Path:
@@ -189,8 +245,10 @@ def save_figure(fig, name: str, *, label: str = "", **meta: Any) -> pathlib.Path
     if label:
         fig.text(0.5, 0.0, label, ha="center", va="top", fontsize=7, wrap=True)
     path = output_dir() / f"{name}.png"
-    fig.savefig(path, bbox_inches="tight")
-    write_meta(name, **({"label": label} if label else {}), **meta)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", bbox_inches="tight")
+    changed = _write(path, buffer.getvalue())
+    write_meta(name, changed=changed, **({"label": label} if label else {}), **meta)
     return path
 
 
@@ -236,10 +294,11 @@ def save_table(
     if notes:
         md += "\n" + notes.strip() + "\n"
     out = output_dir()
-    (out / f"{name}.md").write_text(md)
-    with open(out / f"{name}.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
-        w.writeheader()
-        w.writerows(rows)
-    write_meta(name, results=list(rows), **meta)
+    changed = _write(out / f"{name}.md", md.encode())
+    text = io.StringIO(newline="")
+    w = csv.DictWriter(text, fieldnames=columns, extrasaction="ignore")
+    w.writeheader()
+    w.writerows(rows)
+    changed = _write(out / f"{name}.csv", text.getvalue().encode()) or changed
+    write_meta(name, results=list(rows), changed=changed, **meta)
     return out / f"{name}.md"
