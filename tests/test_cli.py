@@ -125,3 +125,32 @@ def test_the_default_run_resumes_after_ctrl_c(tmp_path):
     assert f"resuming from step {step}" in again.stderr
     assert json.loads(again.stdout)["summary"]["steps"] == 1200
     assert "final held-out loss" in again.stderr and "history.csv" in again.stderr
+
+
+def test_the_readme_default_run_checkpoints_and_resumes(monkeypatch, tmp_path, capsys):
+    # README: `python -m sdiloco train --out runs/default` (run it again and it
+    # resumes): the plain command checkpoints periodically and resumes.
+    from sdiloco.lab import train
+    from sdiloco.lab.cli import main
+
+    assert (
+        "`python -m sdiloco train --out runs/default` (run it again and\nit resumes)"
+        in (ROOT / "README.md").read_text()
+    )
+    seen = {}
+
+    def fake_run(cfg, out, **kwargs):
+        seen.update(cfg=cfg, out=out, **kwargs)
+        raise train.Interrupted(7, signal.SIGINT, out)
+
+    monkeypatch.setattr(train, "run", fake_run)
+    out = str(tmp_path / "default")
+    assert main(["train", "--out", out]) == 130
+    cfg = seen["cfg"]
+    assert cfg.checkpoint_every == cfg.eval_every == 100 and seen["resume"]
+    assert seen["nonfinite_loss"] == "stop"
+    err = capsys.readouterr().err
+    assert err == (
+        f"stopped at step 7, checkpoint saved; resume with: python -m sdiloco train "
+        f"--out {out}\n"
+    )
