@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 from jax.sharding import Mesh
-from tqdm.auto import tqdm
+from tqdm import tqdm  # the text bar: no widget lookup (and no warning) in a kernel
 
 from ..base import (
     Algorithm,
