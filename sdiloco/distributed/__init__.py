@@ -3,7 +3,8 @@
 One concept per module:
 
 - `mesh`: the replica mesh and the placement of states, batches and steps on it;
-- `wire`: the packed `uint8` message of one fragment (`pack4` / `unpack4`, `Wire`);
+- `wire`: the packed `uint8` message of one fragment: what the compressor encodes,
+  integer fields at their width (`pack_bits` / `unpack_bits`, `pack4`, `Wire`);
 - `exchange`: `sharded_exchange`, the per-replica exchange hook of `streaming_diloco`;
 - `courier`: the exchange overlapped with the next τ inner steps (`posted_exchange`,
   `Courier`, `courier_meshes`);
@@ -42,4 +43,9 @@ from .mesh import (
     sharded_step as sharded_step,
     state_shardings as state_shardings,
 )
-from .wire import pack4 as pack4, unpack4 as unpack4
+from .wire import (
+    pack4 as pack4,
+    pack_bits as pack_bits,
+    unpack4 as unpack4,
+    unpack_bits as unpack_bits,
+)

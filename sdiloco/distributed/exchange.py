@@ -1,12 +1,16 @@
 """The exchange of outer gradients between replicas sharded over a mesh.
 
 `sharded_exchange(mesh)` is the `exchange` hook of `streaming_diloco`: instead of
-averaging a `[M, ...]` array on one device, every replica quantizes **its own** Δ,
-packs the codes (two 4-bit codes per byte) and the float32 group scales into one
-`uint8` message per fragment (`sdiloco.distributed.wire`), the replicas `all_gather`
-those bytes, and each one dequantizes all M messages and averages them in float32
-locally (Streaming DiLoCo §2.4: "the accumulation is done in FP32"). The bytes on the
-wire are the bits of `Algorithm.bits_per_fragment` (within half a byte of padding).
+averaging a `[M, ...]` array on one device, every replica compresses **its own** Δ,
+packs the message its compressor encodes into one `uint8` vector per fragment
+(`sdiloco.distributed.wire`: integer fields such as codes and indices at their width,
+float fields such as kept values and scales as raw bytes), the replicas `all_gather`
+those bytes, and each one decodes all M messages and averages them in float32 locally
+(Streaming DiLoCo §2.4: "the accumulation is done in FP32"). The bytes on the wire are
+the bits of `Algorithm.bits_per_fragment` (within a byte of padding per field width;
+the `hlo` tests of `tests/test_distributed.py` read them off the compiled step): a
+4-bit quantizer sends two codes per byte, a chunked top-k its float32 values and 6-bit
+positions, a chain the message of its last stage nested in the first's.
 
 On a mesh with a `"data"` axis of D > 1 devices per replica, the D devices of an island
 hold the same message; each sends its `1/D` share across `"replica"` and the island
@@ -14,9 +18,10 @@ then all-gathers the shares over `"data"` (its fast links), so the slow axis car
 each replica's message once.
 
 Numerics, compared with the vmapped simulation (`tests/test_distributed.py`): the
-exchange is exact by construction. The same quantizer runs on the same values with the
-same PRNG keys, and integer codes and scales move verbatim, so what every replica
-reconstructs of every message is bitwise the simulation's. The mean is the same
+exchange is exact by construction. The same compressor runs on the same values with
+the same PRNG keys, integer fields and float fields move verbatim, and decoding a
+message is the compressor's own round trip, so what every replica reconstructs of
+every message is bitwise the simulation's. The mean is the same
 `communication.average`, which sums the `[M, ...]` reconstructions in replica order and
 then divides by M: a fixed order, so the mean is bitwise the simulation's as well.
 
@@ -26,9 +31,12 @@ This differs from a production setup in:
    replica averages exactly the values the simulation averages. Each replica receives
    `M - 1` messages, so for large M a reduce-scatter of dequantized values would move
    fewer bytes.
-2. Value-dropping compressors (`dare`, `top_k`, `fed_dropout`) and `compressor=None`
-   send their dense reconstruction (the wide dtype, 32 bits per element), not a sparse
-   encoding: their `bits_per_fragment` describes an ideal wire, not this one.
+2. The wire carries what `Compressor.encode` returns, so it is only as compact as the
+   message a compressor defines: every compressor of `sdiloco.compression` defines one
+   (a random mask travels as its 64-bit seed, for instance), while one that keeps the
+   default `encode` sends its dense reconstruction at 32 bits per element. Float
+   fields travel at their own dtype's width (the kept values of a float64 parameter
+   take 64 bits, where the accounting counts 32).
 """
 
 import functools as ft
@@ -59,13 +67,13 @@ def sharded_exchange(mesh: Mesh) -> Callable[..., tuple[list[Array], list[Array]
 
     1. each replica encodes its own Δ, group by group (a whole leaf, or one row of a
        leaf labelled per row), with the same PRNG keys as `communication.compress`:
-       a `Quantizer` gives uint8 codes and float32 amax scales; any other compressor
-       (or none) gives its dense reconstruction in the wide dtype;
-    2. the message is one `uint8` vector: the codes (two per byte for 4-bit formats,
-       one byte for 8-bit formats, the raw bytes of bf16 / fp32 casts and of dense
-       values) followed by the scales' float32 bytes;
+       `compressor.encode` gives named fields (codes, indices, seeds, values,
+       scales); without a compressor, the values themselves;
+    2. the message is one `uint8` vector: the integer fields packed at their widths
+       (`Compressor.widths`; one bitstream per width), then the float fields' raw
+       bytes (`wire.Wire`);
     3. `all_gather` of the messages over `"replica"`: this is the only collective;
-    4. every replica unpacks and dequantizes all M messages and averages them in the
+    4. every replica unpacks and decodes all M messages and averages them in the
        wide dtype with `communication.average` (summed in replica order, then divided
        by M), the simulation's operation in the same fixed order.
 
