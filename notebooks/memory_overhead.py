@@ -124,6 +124,7 @@ PAPER_TERM = {
     "inner_state": "Adam state (2×)",
     "inflight": "in-flight outer gradient (not in the paper)",
     "residual": "error-feedback residual (off here)",
+    "merge_state": "merge policy's state (Eager's stand-ins; off here)",
 }
 state_rows, summary_rows, bars = [], [], {}
 for model_name in MODELS:

@@ -151,7 +151,7 @@ def paired_gap(base: Sequence[float], other: Sequence[float]) -> dict[str, float
         "mean": float(d.mean()),
         "low": float(d.mean() - half),
         "high": float(d.mean() + half),
-        "relative": float(d.mean() / np.mean(base)),
+        "relative": float(d.mean() / scale) if (scale := np.mean(base)) else math.nan,
         "n": int(d.size),
     }
 
