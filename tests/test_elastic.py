@@ -31,7 +31,9 @@ import pytest
 from helpers import assert_trees_allclose, cpu_env, finish_processes, free_port
 
 from benchmarks import wan
+from sdiloco.distributed.board import RoundLog
 from sdiloco.lab import cli, config as config_lib, train
+from sdiloco.lab.elastic import Membership
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -193,7 +195,9 @@ def test_sigkill_an_island_the_others_go_on_and_it_heals(tmp_path):
         assert kill_at <= killed < steps
         islands[1].communicate()
         restarted = _island(1, tmp_path, steps, board)  # the same command again
-        finish_processes([islands[0], islands[2], restarted, coordinator], 600)
+        outputs = finish_processes(
+            [islands[0], islands[2], restarted, coordinator], 600
+        )
     finally:
         for p in [coordinator, *islands, restarted]:
             if p is not None and p.poll() is None:
@@ -215,6 +219,26 @@ def test_sigkill_an_island_the_others_go_on_and_it_heals(tmp_path):
     assert served == healed["healed"]["bytes"]
     _assert_survivors_waited_one_grace(tmp_path, grace)
     _assert_equal_thetas(tmp_path, train.build(_config(steps)).model)
+    # A survivor said so, one line each: the peer left out, then back; and showed
+    # its progress (the bar of `train`).
+    survivor = outputs[0]
+    assert survivor.count("went on without island 1") == 1, survivor[-3000:]
+    assert survivor.count("island 1 is back") == 1, survivor[-3000:]
+    assert f"{steps}/{steps}" in survivor
+
+
+def test_membership_says_who_left_and_who_came_back():
+    rounds = [
+        RoundLog("a", 0.0, 0.1, (0, 1, 2), 10),
+        RoundLog("b", 0.0, 4.0, (0, 2), 10),
+        RoundLog("c", 0.0, 0.1, (0, 2), 10),
+    ]
+    members = Membership(3)
+    assert members.news(rounds[:1]) == []
+    assert members.news(rounds) == ["round b went on without island 1"]
+    assert members.news(rounds) == []  # each round is read once
+    rounds.append(RoundLog("d", 0.0, 0.1, (0, 1, 2), 10))
+    assert members.news(rounds) == ["island 1 is back (round d)"]
 
 
 @pytest.mark.multiprocess

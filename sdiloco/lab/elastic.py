@@ -34,6 +34,7 @@ from typing import Any, cast
 import equinox as eqx
 import jax
 import numpy as np
+from tqdm import tqdm
 
 from ..distributed.board import (
     Board,
@@ -151,16 +152,12 @@ def island(
     board.put(f"joined/{replica}", b"1")
     board.put(f"hello/{replica}", b"1")
     first, joined = int(state.step), time.time()
-    served, losses = 0, []
     with contextlib.ExitStack() as stack:
         if isinstance(step, Courier):
             stack.enter_context(step)  # at the end: waits for the last rounds
-        for t in range(first + 1, c.steps + 1):
-            state, metrics = step(state, _stack(batches[t - 1]))
-            served += serve_heals(board, replica, state)
-            if t % c.log_every == 0 or t == c.steps:
-                losses.append((t, float(metrics["loss/train"])))
-                _write(out_dir, f"island-{replica}.step", str(t))
+        state, served, losses = _train_steps(
+            c, replica, (step, state, batches, log), board, first, out_dir
+        )
     jax.block_until_ready(state)
     trained = time.time() - joined
     evaluation = train.evaluator(r, local, Placement.of(1))(state)
@@ -181,6 +178,50 @@ def island(
     }
     _finish(board, replica, out_dir, summary, state.global_params)
     return summary
+
+
+def _train_steps(c, replica, program, board, first, out_dir):
+    """The island's steps from `first` on: a progress bar (as `train`'s, on stderr),
+    heals served between steps, one line when a round leaves a peer out or a peer is
+    back, and the step file. Returns the state, the bytes served and the losses."""
+    step, state, batches, log = program
+    members = Membership(c.method.num_replicas)
+    served, losses = 0, []
+    bar = tqdm(
+        total=c.steps, initial=first, desc=f"island {replica}", dynamic_ncols=True
+    )
+    for t in range(first + 1, c.steps + 1):
+        state, metrics = step(state, _stack(batches[t - 1]))
+        served += serve_heals(board, replica, state)
+        for line in members.news(log):
+            bar.write(f"island {replica}: step {t}: {line}", file=sys.stderr)
+        if t % c.log_every == 0 or t == c.steps:
+            losses.append((t, float(metrics["loss/train"])))
+            bar.set_postfix(loss=f"{losses[-1][1]:.3f}", refresh=False)
+            _write(out_dir, f"island-{replica}.step", str(t))
+        bar.update(1)
+    bar.close()
+    return state, served, losses
+
+
+class Membership:
+    """Who took part in the rounds an island has seen, and what changed: one line
+    when a round leaves a peer out, one when a peer is back."""
+
+    def __init__(self, num_replicas: int):
+        self.last, self.seen = set(range(num_replicas)), 0
+
+    def news(self, rounds: list[Any]) -> list[str]:
+        """Lines for the rounds (`RoundLog`s, in order) not read yet."""
+        lines = []
+        for r in rounds[self.seen :]:
+            now = set(r.members)
+            left, back = sorted(self.last - now), sorted(now - self.last)
+            lines += [f"round {r.round} went on without island {k}" for k in left]
+            lines += [f"island {k} is back (round {r.round})" for k in back]
+            self.last = now
+        self.seen = len(rounds)
+        return lines
 
 
 def _finish(board, replica, out_dir, summary, theta_g) -> None:
