@@ -1,15 +1,26 @@
 """Configs: one per method, holding only the fields that method uses; one JSON loader."""
 
 import dataclasses
+import hashlib
 import json
+import math
+import pathlib
+import re
 
+import equinox as eqx
+import jax
+import jax.numpy as jnp
 import jax.random as jr
+import numpy as np
 import optax
+import optax.contrib
 import pytest
 from hypothesis import given, settings, strategies as st
 
 from sdiloco.lab import config as config_lib, model as model_lib
 
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 METHOD_FIELDS = {
     "data_parallel": {"num_replicas"},
@@ -172,3 +183,236 @@ def test_shipped_tuned_table_names_real_presets_sizes_and_fields():
                     obj = getattr(obj, part)
                 assert obj == value, (name, size, path)
     assert base  # the table is not empty
+
+
+# ------------------------------------------------ optimizers, compressor specs, merges
+
+
+def _updates(opt, params, steps=3):
+    """The updates of `opt` over `steps` steps on the gradients `_grads`."""
+    with jax.numpy_dtype_promotion("standard"):  # optax's Adam: `b1 ** count`
+        state, out = opt.init(params), []
+        for t in range(steps):
+            updates, state = opt.update(_grads(params, t), state, params)
+            params = optax.apply_updates(params, updates)
+            out.append(updates)
+    return out
+
+
+def _grads(params, t):
+    """Random gradients like `params`, drawn for step `t`."""
+    keys = jr.split(jr.fold_in(jr.key(0), t), len(jax.tree.leaves(params)))
+    leaves = [jr.normal(k, x.shape) for k, x in zip(keys, jax.tree.leaves(params))]
+    return jax.tree.unflatten(jax.tree.structure(params), leaves)
+
+
+def _equal(a, b):
+    return all(
+        np.array_equal(x, y)
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
+
+
+_TREE = {"w": jnp.ones((4, 3)), "b": jnp.full((3,), 0.5)}
+
+
+def test_default_optimizers_are_todays_transformations_bitwise():
+    # The records are verified bitwise: the defaults must build exactly these.
+    inner = config_lib.InnerConfig()
+    today = optax.chain(
+        optax.clip_by_global_norm(1.0),
+        optax.adamw(inner.schedule(20), b1=0.9, b2=0.99, eps=1e-8, weight_decay=0.1),
+    )
+    assert _equal(_updates(inner.build(20), _TREE), _updates(today, _TREE))
+    today = optax.sgd(0.4, momentum=0.9, nesterov=True)
+    assert _equal(
+        _updates(config_lib.OuterConfig().build(), _TREE), _updates(today, _TREE)
+    )
+
+
+@pytest.mark.parametrize(
+    "outer, reference",
+    [
+        (dict(kind="sgd", lr=0.7), optax.sgd(0.7)),
+        (
+            dict(kind="adam", lr=0.01, b1=0.8, b2=0.95, eps=1e-6),
+            optax.adam(0.01, b1=0.8, b2=0.95, eps=1e-6),
+        ),
+        (dict(momentum=0.0), optax.sgd(0.4)),
+    ],
+    ids=["sgd", "adam", "nesterov-no-momentum"],
+)
+def test_outer_kinds_build_their_optax_optimizer(outer, reference):
+    built = config_lib.OuterConfig(**outer).build()
+    assert _equal(_updates(built, _TREE), _updates(reference, _TREE))
+
+
+@jax.numpy_dtype_promotion("standard")  # optax's schedules: float * int32 count
+def test_outer_momentum_warmup_matches_a_float64_nesterov_reference():
+    # Pier's warmup: momentum 0.9 * min(k, K) / K at a fragment's k-th sync (k = 0..).
+    lr, mu, warmup, rounds = 0.7, 0.9, 3, 6
+    opt = config_lib.OuterConfig(lr=lr, momentum=mu, momentum_warmup=warmup).build()
+    params = {"w": jnp.zeros((5,))}
+    grads = np.asarray(jr.normal(jr.key(1), (rounds, 5)), np.float64)
+    state, trace = opt.init(params), np.zeros(5)
+    for k in range(rounds):
+        updates, state = opt.update({"w": jnp.asarray(grads[k], jnp.float32)}, state)
+        mu_k = mu * min(k, warmup) / warmup
+        trace = grads[k] + mu_k * trace
+        expected = -lr * (grads[k] + mu_k * trace)  # Nesterov
+        np.testing.assert_allclose(updates["w"], expected, rtol=1e-5, atol=1e-6)
+    assert int(state.count) == rounds  # the count the core keeps per fragment
+
+
+@jax.numpy_dtype_promotion("standard")  # optax's Adam and Muon: `b1 ** count`
+def test_muon_takes_the_stacked_weight_matrices_and_adam_the_rest():
+    # Checked on the updates themselves: each layer's slice of a block weight matrix
+    # is optax's Muon on that one 2-D matrix; the embedding and the stacked norm
+    # scales (2-D, which optax's default rule would give to Muon) are Adam's.
+    inner = config_lib.InnerConfig(kind="muon", clip_norm=None, warmup_steps=0)
+    model = model_lib.Transformer(model_lib.preset("tiny-xxxs"), key=jr.key(0))
+    params = eqx.filter(model, eqx.is_inexact_array)
+    (updates,), grads = _updates(inner.build(10), params, steps=1), _grads(params, 0)
+    kw = dict(eps=inner.eps, weight_decay=inner.weight_decay)
+    muon = optax.contrib.muon(
+        inner.schedule(10), **kw, adam_b1=inner.b1, adam_b2=inner.b2, consistent_rms=0.2
+    )
+    layers = model.config.num_layers
+    for name, (rows, _) in config_lib.MUON_MATRICES.items():
+        part = "mlp" if name in ("w_up", "w_down") else "attn"
+        u, g, p = (
+            getattr(getattr(t.blocks, part), name) for t in (updates, grads, params)
+        )
+        n_in = math.prod(np.take(u.shape, np.atleast_1d(rows)))
+        for layer in (0, layers - 1):
+            m = lambda x: {"m": x[layer].reshape(n_in, -1)}  # noqa: E731
+            ref, _ = muon.update(m(g), muon.init(m(p)), m(p))
+            np.testing.assert_allclose(m(u)["m"], ref["m"], rtol=1e-4, atol=1e-7)
+    adam = optax.adamw(
+        inner.schedule(10), b1=inner.b1, b2=inner.b2, nesterov=True, **kw
+    )
+    for get in (
+        lambda t: t.embedding,
+        lambda t: t.final_norm.scale,
+        lambda t: t.blocks.attn_norm.scale,
+        lambda t: t.blocks.mlp_norm.scale,
+        lambda t: t.blocks.attn.q_norm.scale,
+    ):
+        ref, _ = adam.update(get(grads), adam.init(get(params)), get(params))
+        np.testing.assert_allclose(get(updates), ref, rtol=1e-6, atol=1e-9)
+
+
+def test_muon_refuses_a_model_without_the_transformer_matrices():
+    inner = config_lib.InnerConfig(kind="muon").build(10)
+    with pytest.raises(ValueError, match="InnerConfig.kind='muon'"):
+        inner.init({"w": jnp.ones((3, 4, 5))})
+
+
+@pytest.mark.parametrize(
+    "build, message",
+    [
+        (lambda: config_lib.InnerConfig(kind="sgd"), "InnerConfig.kind='sgd'"),
+        (lambda: config_lib.OuterConfig(kind="lion"), "OuterConfig.kind='lion'"),
+        (
+            lambda: config_lib.OuterConfig(kind="adam", momentum_warmup=5),
+            "OuterConfig.momentum_warmup=5 with kind='adam'",
+        ),
+        (
+            lambda: config_lib.OuterConfig(momentum_warmup=-1),
+            "OuterConfig.momentum_warmup=-1",
+        ),
+        (
+            lambda: config_lib.preset(
+                "streaming_overlap_fp4", method={"compressor": "int2"}
+            ),
+            "StreamingConfig.compressor='int2' with quantizer='e3m0'",
+        ),
+        (
+            lambda: config_lib.StreamingConfig(
+                quantizer=None, sparsifier="dare", compressor="int2"
+            ),
+            "compressor='int2' with sparsifier='dare'",
+        ),
+        (
+            lambda: config_lib.StreamingConfig(quantizer=None, compressor="int3,ef"),
+            "StreamingConfig.compressor spec='int3,ef': stage 0 'int3'",
+        ),
+        (
+            lambda: config_lib.StreamingConfig(merge="lazy"),
+            "StreamingConfig.merge='lazy'",
+        ),
+        (lambda: config_lib.preset("diloco", method={"merge": "eager"}), "merge"),
+    ],
+)
+def test_bad_optimizer_compressor_and_merge_values_are_one_line(build, message):
+    with pytest.raises(ValueError, match=re.escape(message)) as e:
+        build()
+    assert "\n" not in str(e.value)
+
+
+def test_compressor_spec_and_merge_reach_the_algorithm():
+    from sdiloco.compression import parse
+
+    spec = "topk:0.03/64,int2,ef:0.9"
+    c = config_lib.StreamingConfig(quantizer=None, compressor=spec)
+    assert c.build_compressor() == parse(spec)
+    model = model_lib.Transformer(model_lib.preset("tiny-xxxs"), key=jr.key(0))
+    for merge in ("alpha", "eager"):
+        method = config_lib.StreamingConfig(sync_every=4, merge=merge)
+        alg = method.build(model_lib.loss_fn, optax.sgd(0.1), model)
+        state = alg.init(model, jr.key(1))
+        assert (state.merge_state is not None) == (merge == "eager")
+
+
+@pytest.mark.parametrize("name", ["muloco", "sparseloco", "eager"])
+def test_new_presets_change_only_what_their_method_changes(name):
+    # Each is the paper's final method (its tuned values included) but for what the
+    # method itself changes.
+    changed = {
+        "muloco": {"inner.kind", "method.quantizer", "method.compressor"},
+        "sparseloco": {
+            "method.quantizer",
+            "method.compressor",
+            "method.outer.kind",
+            "method.outer.lr",
+            "method.outer.momentum",
+        },
+        "eager": {"method.merge"},
+    }[name]
+    for model in ("tiny-xxs", "tiny-s", "tiny-m"):
+        new = _flat(config_lib.preset(name, model=model).replace(name="x").to_dict())
+        base = config_lib.preset("streaming_overlap_fp4", model=model)
+        old = _flat(base.replace(name="x").to_dict())
+        differ = {k for k in new.keys() | old.keys() if new.get(k) != old.get(k)}
+        assert differ == changed, (model, differ)
+
+
+def _flat(d, prefix=""):
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def test_new_fields_at_their_default_leave_the_json_and_records_as_they_were():
+    # An old preset's JSON, byte for byte as before the new fields (its sha256).
+    text = config_lib.preset(
+        "streaming_overlap_fp4", model="tiny-s", tuned=False
+    ).to_json()
+    assert hashlib.sha256(text.encode()).hexdigest() == (
+        "d6c02ce7f617bfc3472d81e30d365f14a2142c6b0c7e01c34ff079138415e98b"
+    )
+    for key in ("kind", "momentum_warmup", "compressor", "merge"):
+        assert f'"{key}": "' not in text.replace('"kind": "streaming"', "")
+    # Every committed record's config still hashes to its file name.
+    from sdiloco.paper.experiments import record_key
+
+    files = sorted((ROOT / "paper_figures" / "runs").glob("*.json"))
+    assert len(files) > 900
+    for f in files:
+        config = json.loads(f.read_text())["config"]
+        key = record_key(config_lib.RunConfig.from_json(json.dumps(config)))
+        assert key == f.stem.split("-")[0], f.name

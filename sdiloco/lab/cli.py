@@ -20,6 +20,7 @@ import sys
 from typing import Any, NoReturn
 
 from . import config as config_lib, model as model_lib
+from .methods import MERGES, OUTER_KINDS
 
 
 USAGE_ERROR = 2
@@ -267,9 +268,24 @@ def _changes(args: argparse.Namespace) -> dict:
         overlap=args.overlap,
         alpha=args.alpha,
         quantizer=args.quantizer,
+        compressor=args.compressor,
+        merge=args.merge,
     )
     if method.get("quantizer") == "none":
         method["quantizer"] = None
+    # One flag replaces the preset's compression; both are refused by the config.
+    if args.compressor is not None and args.quantizer is None:
+        method["quantizer"] = None
+    if args.quantizer is not None and args.compressor is None:
+        method["compressor"] = None
+    outer = _given(
+        kind=args.outer,
+        lr=args.outer_lr,
+        momentum=args.outer_momentum,
+        momentum_warmup=args.outer_momentum_warmup,
+    )
+    if outer:
+        method["outer"] = outer
     changes = _given(
         model=args.model,
         vocab_size=args.vocab,
@@ -288,8 +304,9 @@ def _changes(args: argparse.Namespace) -> dict:
         changes["method"] = method
     if data:
         changes["data"] = data
-    if args.lr is not None:
-        changes["inner"] = {"lr": args.lr}
+    inner = _given(lr=args.lr, kind=args.inner)
+    if inner:
+        changes["inner"] = inner
     return changes
 
 
@@ -338,6 +355,47 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--quantizer",
         help="outer-gradient format (e3m0, e2m1, e4m3, bf16, fp32, ...) or none",
+    )
+    t.add_argument(
+        "--compressor",
+        metavar="SPEC",
+        help="outer-gradient compressor as stages instead of --quantizer, e.g. "
+        "'int2,ef' or 'topk:0.03/64,int2,ef:0.9' (chunked top-k, 2-bit, error "
+        "feedback with decay; sdiloco.compression.parse)",
+    )
+    t.add_argument(
+        "--merge",
+        help=f"merge policy: {' or '.join(MERGES)} (default alpha, the paper's; "
+        "eager: each replica's own outer step during the overlap)",
+    )
+    t.add_argument(
+        "--inner",
+        help=f"inner optimizer: {' or '.join(config_lib.INNER_KINDS)} (default "
+        "adamw; muon: Muon on the blocks' weight matrices, Adam on the rest)",
+    )
+    t.add_argument(
+        "--outer",
+        help=f"outer optimizer: {' or '.join(OUTER_KINDS)} (default nesterov, "
+        "the paper's; sgd: no momentum)",
+    )
+    t.add_argument(
+        "--outer-lr",
+        type=float,
+        help="outer learning rate (default: the tuned one, else "
+        f"{config_lib.OuterConfig.lr})",
+    )
+    t.add_argument(
+        "--outer-momentum",
+        type=float,
+        help="outer Nesterov momentum (default: the tuned one, else "
+        f"{config_lib.OuterConfig.momentum})",
+    )
+    t.add_argument(
+        "--outer-momentum-warmup",
+        type=int,
+        metavar="K",
+        help="ramp the outer momentum from 0 over each fragment's first K syncs "
+        "(default 0: none)",
     )
     t.add_argument(
         "--batch-size",

@@ -24,7 +24,9 @@ import pathlib
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import optax
+import optax.contrib
 
 from ..sim.chaos import Failures
 from . import fields, model as model_lib
@@ -41,9 +43,26 @@ from .methods import (
 )
 
 
+INNER_KINDS = ("adamw", "muon")
+"""The inner optimizers (`InnerConfig.kind`)."""
+
+MUON_MATRICES: dict[str, tuple[Any, Any]] = {
+    "w_q": (1, (2, 3)),
+    "w_k": (1, (2, 3)),
+    "w_v": (1, (2, 3)),
+    "w_o": ((1, 2), 3),
+    "w_up": (1, 2),
+    "w_down": (1, 2),
+}
+"""The lab Transformer's weight matrices, leaves of its stacked `blocks` (axis 0 the
+layer): name → (input axes, output axes) of the matrix that Muon orthogonalises, one
+per layer. `w_q` `[L, d, h, k]` is the `d × h·k` matrix of each layer."""
+
+
 @dataclasses.dataclass(frozen=True)
 class InnerConfig:
-    """The inner optimizer: AdamW with warmup + cosine decay and gradient clipping."""
+    """The inner optimizer: AdamW (or Muon) with warmup + cosine decay and gradient
+    clipping."""
 
     lr: float = 3e-3
     """Peak learning rate."""
@@ -62,8 +81,16 @@ class InnerConfig:
     """Decoupled weight decay (optax.adamw's, multiplied by the learning rate)."""
     clip_norm: float | None = 1.0
     """Clip gradients to this global L2 norm (None: no clipping)."""
+    kind: str = fields.new_field("adamw")
+    """"adamw", or "muon" (MuLoCo's inner optimizer, `optax.contrib.muon`): Muon on
+    the blocks' weight matrices (`MUON_MATRICES`, orthogonalised per layer), Adam on
+    the embedding and the norm scales (with `b1`, `b2` and Nesterov momentum, as
+    optax's Muon does). Both sides take the schedule, `eps` and `weight_decay`; Muon's
+    updates are scaled to an RMS of 0.2 (`consistent_rms`, Liu et al. 2025), about
+    AdamW's, so that one learning rate serves both."""
 
     def __post_init__(self):
+        fields.choice("InnerConfig.kind", self.kind, INNER_KINDS)
         fields.positive("InnerConfig.lr", self.lr)
         fields.nonnegative_int("InnerConfig.warmup_steps", self.warmup_steps)
         if self.warmup_fraction is not None:
@@ -103,16 +130,58 @@ class InnerConfig:
 
     def build(self, total_steps: int) -> optax.GradientTransformation:
         """The optax transformation for a run of `total_steps` inner steps."""
-        adamw = optax.adamw(
-            self.schedule(total_steps),
-            b1=self.b1,
-            b2=self.b2,
-            eps=self.eps,
-            weight_decay=self.weight_decay,
-        )
+        if self.kind == "muon":
+            adamw = optax.contrib.muon(
+                self.schedule(total_steps),
+                eps=self.eps,
+                weight_decay=self.weight_decay,
+                adam_b1=self.b1,
+                adam_b2=self.b2,
+                adam_weight_decay=self.weight_decay,
+                muon_weight_dimension_numbers=muon_dimensions,
+                consistent_rms=0.2,
+            )
+        else:
+            adamw = optax.adamw(
+                self.schedule(total_steps),
+                b1=self.b1,
+                b2=self.b2,
+                eps=self.eps,
+                weight_decay=self.weight_decay,
+            )
         if self.clip_norm is None:
             return adamw
         return optax.chain(optax.clip_by_global_norm(self.clip_norm), adamw)
+
+
+def muon_dimensions(params: Any) -> Any:
+    """Which leaves of the lab Transformer's `params` Muon takes, and as which matrix:
+    `optax.contrib.MuonDimensionNumbers` for the blocks' weight matrices
+    (`MUON_MATRICES`; the layer axis is a batch axis, so each layer is
+    orthogonalised on its own), None (Adam) for the rest.
+
+    optax's default rule (Muon for every 2-D leaf) would take the embedding and the
+    stacked norm scales `[L, d]` and leave every stacked matrix `[L, ...]` to Adam.
+
+    Raises:
+        ValueError: if `params` has no such matrix (not the lab Transformer).
+    """
+
+    def dims(path: Any, leaf: Any) -> Any:
+        del leaf
+        names = [getattr(k, "name", getattr(k, "key", None)) for k in path]
+        if names[:1] == ["blocks"] and names[-1] in MUON_MATRICES:
+            return optax.contrib.MuonDimensionNumbers(*MUON_MATRICES[names[-1]])
+        return None
+
+    out = jax.tree_util.tree_map_with_path(dims, params)
+    is_dims = lambda x: isinstance(x, optax.contrib.MuonDimensionNumbers)  # noqa: E731
+    if not any(is_dims(x) for x in jax.tree.leaves(out, is_leaf=is_dims)):
+        raise ValueError(
+            "InnerConfig.kind='muon' found none of the weight matrices "
+            f"{sorted(MUON_MATRICES)} under `blocks`; it is for the lab Transformer."
+        )
+    return out
 
 
 TOKEN_DTYPES = ("uint8", "uint16", "uint32")
@@ -156,10 +225,9 @@ class RunConfig:
     name: str = "run"
     model: str = "tiny-s"
     """A model preset name (`model.preset`)."""
-    vocab_size: int | None = None
+    vocab_size: int | None = fields.new_field(None)
     """The model's vocabulary instead of the preset's (None: the preset's; 256 for
-    the tiny models): token ids run over `[0, vocab_size)`. Left out of the JSON when
-    None, so configs written before this field keep their keys."""
+    the tiny models): token ids run over `[0, vocab_size)`."""
     method: MethodConfig = dataclasses.field(default_factory=StreamingConfig)
     """The method and its knobs: a `DataParallelConfig`, `DiLoCoConfig` or
     `StreamingConfig` (or a dict with its `kind`)."""
@@ -243,11 +311,12 @@ class RunConfig:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict:
-        """The config as plain JSON-able data; the method carries its `kind`."""
-        d = dataclasses.asdict(self)
+        """The config as plain JSON-able data; the method carries its `kind`.
+
+        Fields added after the first records (`fields.new_field`) are left out while
+        they hold their default, so those records keep their keys."""
+        d = fields.to_dict(self)
         d["method"] = {"kind": self.method.kind, **d["method"]}
-        if d["vocab_size"] is None:  # the preset's: as written before the field
-            del d["vocab_size"]
         return d
 
     def model_config(self) -> model_lib.ModelConfig:
@@ -270,9 +339,19 @@ class RunConfig:
 # ----------------------------------------------------------------------------- presets
 
 
-def _make(name: str, method: MethodConfig, changes: dict[str, Any]) -> RunConfig:
-    """A `RunConfig` from a preset's method and user changes (dicts change sub-configs)."""
+def _make(
+    name: str,
+    method: MethodConfig,
+    changes: dict[str, Any],
+    inner: InnerConfig | None = None,
+) -> RunConfig:
+    """A `RunConfig` from a preset's method (and inner optimizer, default AdamW) and
+    user changes (dicts change sub-configs)."""
     changes = dict(changes)
+    if inner is not None and isinstance(changes.get("inner"), dict):
+        changes["inner"] = fields.replace(inner, **changes["inner"])
+    elif inner is not None:
+        changes.setdefault("inner", inner)
     if isinstance(changes.get("method"), dict):
         method = replace_method(method, **changes.pop("method"))
     data = changes.pop("data", None)  # with the method, so both are checked together
@@ -317,15 +396,75 @@ def streaming_overlap_fp4_preset(sync_every: int = 100, **changes: Any) -> RunCo
     return _make(f"streaming_overlap_fp4_h{sync_every}", method, changes)
 
 
+def muloco_preset(sync_every: int = 100, **changes: Any) -> RunConfig:
+    """MuLoCo (arXiv 2505.23725): the paper's final method (`streaming_overlap_fp4`:
+    H = 100, τ = 1, α = 0.5, outer Nesterov) with what MuLoCo changes: Muon as the
+    inner optimizer (`InnerConfig.kind="muon"`) and 2-bit outer gradients with error
+    feedback (`compressor="int2,ef"`) instead of E3M0."""
+    method = StreamingConfig(
+        sync_every=sync_every,
+        overlap=1,
+        alpha=0.5,
+        quantizer=None,
+        compressor="int2,ef",
+    )
+    return _make(
+        f"muloco_h{sync_every}", method, changes, inner=InnerConfig(kind="muon")
+    )
+
+
+def sparseloco_preset(sync_every: int = 100, **changes: Any) -> RunConfig:
+    """SparseLoCo (arXiv 2508.15706): the paper's final method (`streaming_overlap_fp4`:
+    H = 100, τ = 1, α = 0.5, AdamW inside) with what SparseLoCo changes: the top 3 %
+    of every chunk of 64, 2-bit, error feedback with decay 0.9
+    (`compressor="topk:0.03/64,int2,ef:0.9"`), and an outer SGD without momentum at
+    learning rate 1 (`OuterConfig(kind="sgd", lr=1.0, momentum=0.0)`), since the
+    error-feedback accumulator takes the place of outer momentum."""
+    method = StreamingConfig(
+        sync_every=sync_every,
+        overlap=1,
+        alpha=0.5,
+        quantizer=None,
+        compressor="topk:0.03/64,int2,ef:0.9",
+        outer=OuterConfig(kind="sgd", lr=1.0, momentum=0.0),
+    )
+    return _make(f"sparseloco_h{sync_every}", method, changes)
+
+
+def eager_preset(sync_every: int = 100, **changes: Any) -> RunConfig:
+    """Eager updates (Kale et al., arXiv 2502.12996): the paper's final method
+    (`streaming_overlap_fp4`: H = 100, τ = 1, α = 0.5, E3M0, outer Nesterov) with
+    what Eager changes: `merge="eager"`, each replica's own outer gradient's step
+    stands in for the average during the overlap and is corrected on arrival."""
+    method = StreamingConfig(
+        sync_every=sync_every, overlap=1, alpha=0.5, quantizer="e3m0", merge="eager"
+    )
+    return _make(f"eager_h{sync_every}", method, changes)
+
+
 PRESETS: dict[str, Callable[..., RunConfig]] = {
     "data_parallel": data_parallel_preset,
     "diloco": diloco_preset,
     "streaming": streaming_preset,
     "streaming_overlap": streaming_overlap_preset,
     "streaming_overlap_fp4": streaming_overlap_fp4_preset,
+    "muloco": muloco_preset,
+    "sparseloco": sparseloco_preset,
+    "eager": eager_preset,
 }
-"""The paper's method names → preset functions. The default preset is
-"streaming_overlap_fp4" ("Streaming DiLoCo with overlapped FP4 communication")."""
+"""The paper's method names and the methods after it → preset functions. The default
+preset is "streaming_overlap_fp4" ("Streaming DiLoCo with overlapped FP4
+communication")."""
+
+DERIVED: dict[str, tuple[str, tuple[str, ...]]] = {
+    "muloco": ("streaming_overlap_fp4", ()),
+    "sparseloco": ("streaming_overlap_fp4", ("method.outer",)),
+    "eager": ("streaming_overlap_fp4", ()),
+}
+"""A method built on another preset → (that preset, the config paths the method sets
+itself). Where the method has no tuned values of its own, `preset` starts it from its
+base's tuned values but those paths, so the two differ only in what the method
+changes."""
 
 
 def preset(name: str, *, tuned: bool = True, **changes: Any) -> RunConfig:
@@ -347,7 +486,12 @@ def preset(name: str, *, tuned: bool = True, **changes: Any) -> RunConfig:
     if not tuned:
         return config
     given = set(_paths(changes))
-    for path, value in TUNED.get(name, {}).get(config.model, {}).items():
+    values = TUNED.get(name, {}).get(config.model)
+    if values is None and name in DERIVED:
+        base, own = DERIVED[name]
+        given |= set(own)
+        values = TUNED.get(base, {}).get(config.model)
+    for path, value in (values or {}).items():
         if not any(path == g or path.startswith(g + ".") for g in given):
             config = config.replace(**_nested(path, value))
     return config

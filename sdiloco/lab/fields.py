@@ -5,12 +5,22 @@ each raising `ValueError` naming the field, the value and what is allowed. `from
 builds any config (nested configs from dicts, tuples from lists, unknown fields
 refused); a field typed as a union of configs that carry a `kind` (the method configs)
 is built from the class whose `kind` the data names.
+
+A field added after records were written is declared with `new_field(default)`:
+`to_dict` leaves it out while it holds its default, so the JSON of every config that
+does not use it, and the run-record keys hashed from that JSON
+(`sdiloco.paper.experiments.record_key`), stay as they were; `from_dict` reads it
+either way.
 """
 
+import copy
 import dataclasses
 import types
 import typing
 from typing import Any
+
+
+_NEW = "sdiloco.new_field"
 
 
 def from_dict(cls: Any, data: dict) -> Any:
@@ -23,7 +33,7 @@ def from_dict(cls: Any, data: dict) -> Any:
     data = dict(data)
     if isinstance(cls, types.UnionType):
         cls = _member(cls, data.pop("kind", None))
-    elif "kind" in data and hasattr(cls, "kind"):
+    elif "kind" in data and hasattr(cls, "kind") and not _is_field(cls, "kind"):
         kind = data.pop("kind")
         if kind != cls.kind:
             raise ValueError(f"kind={kind!r} for a {cls.__name__} ({cls.kind!r}).")
@@ -42,6 +52,27 @@ def from_dict(cls: Any, data: dict) -> Any:
             value = tuple(value)
         kwargs[name] = value
     return cls(**kwargs)
+
+
+def new_field(default: Any) -> Any:
+    """A dataclass field with an immutable `default`, left out of `to_dict` while it
+    holds that default (see the module docstring)."""
+    return dataclasses.field(default=default, metadata={_NEW: True})
+
+
+def to_dict(config: Any) -> Any:
+    """`dataclasses.asdict`, leaving out every `new_field` that holds its default."""
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        return {
+            f.name: to_dict(getattr(config, f.name))
+            for f in dataclasses.fields(config)
+            if not (f.metadata.get(_NEW) and getattr(config, f.name) == f.default)
+        }
+    if isinstance(config, tuple | list):
+        return type(config)(to_dict(v) for v in config)
+    if isinstance(config, dict):
+        return {k: to_dict(v) for k, v in config.items()}
+    return copy.deepcopy(config)
 
 
 def replace(config: Any, **changes: Any) -> Any:
@@ -106,6 +137,12 @@ def in_range(name, value, low, high, allowed: str, open_high: bool = False) -> N
         ok = value < high if open_high else value <= high
     if not ok:
         raise ValueError(f"{name}={value!r}; must be in {allowed}.")
+
+
+def _is_field(cls: type, name: str) -> bool:
+    """Whether `name` is a field of `cls` (not a class variable such as a method
+    config's `kind`)."""
+    return any(f.name == name for f in dataclasses.fields(cls))
 
 
 def _optional_config(hint: Any) -> Any:

@@ -16,7 +16,15 @@ from typing import Any, ClassVar
 import optax
 
 from ..base import Algorithm
-from ..compression import FORMATS, Compressor, dare, fed_dropout, quantizer, top_k
+from ..compression import (
+    FORMATS,
+    Compressor,
+    dare,
+    fed_dropout,
+    parse,
+    quantizer,
+    top_k,
+)
 from ..data_parallel import data_parallel
 from ..fedpart import freeze_unsynced
 from ..fragments import Fragments, fragments_by_layer
@@ -26,25 +34,69 @@ from . import fields
 
 
 SPARSIFIERS = ("fed_dropout", "dare", "top_k")
+MERGES = ("alpha", "eager")
+"""The merge policies a config names (`StreamingConfig.merge`)."""
+
+
+OUTER_KINDS = ("nesterov", "sgd", "adam")
+"""The outer optimizers (`OuterConfig.kind`)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class OuterConfig:
-    """The outer optimizer: SGD with (Nesterov) momentum, constant learning rate."""
+    """The outer optimizer, constant learning rate: SGD with (Nesterov) momentum, the
+    paper's; plain SGD; or Adam. The core keeps its state per fragment, so its step
+    count, and the momentum warmup's clock, is that fragment's syncs."""
 
     lr: float = 0.4
     momentum: float = 0.9
-    """0 gives plain SGD (with lr 1: periodic averaging)."""
+    """"nesterov" only; 0 gives plain SGD (with lr 1: periodic averaging)."""
     nesterov: bool = True
+    """"nesterov" only: False gives heavy-ball momentum."""
+    kind: str = fields.new_field("nesterov")
+    """"nesterov" (`optax.sgd(lr, momentum, nesterov)`, the paper's), "sgd"
+    (`optax.sgd(lr)`, no momentum: SparseLoCo's, where error feedback takes its
+    place) or "adam" (`optax.adam(lr, b1, b2, eps)`)."""
+    momentum_warmup: int = fields.new_field(0)
+    """"nesterov" only: ramp the momentum linearly from 0 to `momentum` over a
+    fragment's first K syncs (Pier, arXiv 2511.17849); the first sync uses 0, sync
+    K + 1 and later `momentum`. 0: no warmup."""
+    b1: float = fields.new_field(0.9)
+    """"adam" only: decay of the first moment."""
+    b2: float = fields.new_field(0.999)
+    """"adam" only: decay of the second moment."""
+    eps: float = fields.new_field(1e-8)
+    """"adam" only: added to the denominator."""
 
     def __post_init__(self):
+        fields.choice("OuterConfig.kind", self.kind, OUTER_KINDS)
         fields.positive("OuterConfig.lr", self.lr)
         fields.in_range(
             "OuterConfig.momentum", self.momentum, 0, 1, "[0, 1)", open_high=True
         )
+        fields.nonnegative_int("OuterConfig.momentum_warmup", self.momentum_warmup)
+        if self.momentum_warmup and (self.kind != "nesterov" or not self.momentum):
+            raise ValueError(
+                f"OuterConfig.momentum_warmup={self.momentum_warmup} with kind="
+                f"{self.kind!r}, momentum={self.momentum}; allowed: kind='nesterov' "
+                "with momentum > 0 (or momentum_warmup=0)."
+            )
+        fields.in_range("OuterConfig.b1", self.b1, 0, 1, "[0, 1)", open_high=True)
+        fields.in_range("OuterConfig.b2", self.b2, 0, 1, "[0, 1)", open_high=True)
+        fields.positive("OuterConfig.eps", self.eps)
 
     def build(self) -> optax.GradientTransformation:
-        """`optax.sgd(lr, momentum, nesterov)`."""
+        """The optax transformation; "nesterov" without warmup is exactly
+        `optax.sgd(lr, momentum, nesterov)`."""
+        if self.kind == "adam":
+            return optax.adam(self.lr, b1=self.b1, b2=self.b2, eps=self.eps)
+        if self.kind == "sgd":
+            return optax.sgd(self.lr)
+        if self.momentum_warmup:
+            momentum = optax.linear_schedule(0.0, self.momentum, self.momentum_warmup)
+            return optax.inject_hyperparams(optax.sgd)(
+                learning_rate=self.lr, momentum=momentum, nesterov=self.nesterov
+            )
         return optax.sgd(
             self.lr, momentum=self.momentum or None, nesterov=self.nesterov
         )
@@ -154,6 +206,14 @@ class StreamingConfig:
     nonfinite: str = "skip"
     """Policy for a non-finite outer gradient: "skip", "apply" or "raise"."""
     outer: OuterConfig = dataclasses.field(default_factory=OuterConfig)
+    compressor: str | None = fields.new_field(None)
+    """A compressor spec (`sdiloco.compression.parse`), e.g. "int2,ef" or
+    "topk:0.03/64,int2,ef:0.9" (chunked top-k, 2-bit, error feedback with decay), in
+    place of `quantizer`/`sparsifier` (set those to None); None: those fields say."""
+    merge: str = fields.new_field("alpha")
+    """How a replica takes in a fragment's outer step (`sdiloco.merging`): "alpha"
+    (the paper's α-merge) or "eager" (its own outer gradient's step as a stand-in
+    during the overlap, corrected on arrival; Kale et al., arXiv 2502.12996)."""
 
     def __post_init__(self):
         if isinstance(self.overlap, list):
@@ -180,10 +240,25 @@ class StreamingConfig:
         fields.in_range(
             "StreamingConfig.drop_rate", self.drop_rate, 0, 1, "[0, 1)", True
         )
-        if self.error_feedback and self.compressor() is None:
+        fields.choice("StreamingConfig.merge", self.merge, MERGES)
+        if self.compressor is not None:
+            if not isinstance(self.compressor, str):
+                raise ValueError(
+                    f"StreamingConfig.compressor={self.compressor!r}; allowed: a "
+                    "spec string such as 'int2,ef' (sdiloco.compression.parse)."
+                )
+            for old in ("quantizer", "sparsifier"):
+                if getattr(self, old) is not None:
+                    raise ValueError(
+                        f"StreamingConfig.compressor={self.compressor!r} with "
+                        f"{old}={getattr(self, old)!r}; allowed: one of the two (set "
+                        f"{old}=None to use compressor)."
+                    )
+        compressor = self.build_compressor()
+        if self.error_feedback and compressor is None:
             raise ValueError(
                 "StreamingConfig.error_feedback=True needs a compressor; set a "
-                "quantizer or a sparsifier."
+                "quantizer, a sparsifier or a compressor."
             )
         # The schedule, merge and compressor knobs, checked by the factory itself.
         try:
@@ -194,13 +269,24 @@ class StreamingConfig:
                 sync_every=self.sync_every,
                 overlap=self.overlap,
                 alpha=self.alpha,
-                compressor=self.compressor(),
+                compressor=compressor,
+                error_feedback=self.error_feedback,
+                merge=self.merge,
             )
         except ValueError as e:
             raise ValueError(f"StreamingConfig: {e}") from None
 
-    def compressor(self) -> Compressor | None:
-        """The outer-gradient compressor this config describes (None: float32)."""
+    def build_compressor(self) -> Compressor | None:
+        """The outer-gradient compressor this config describes (None: float32).
+
+        Raises:
+            ValueError: on a bad `compressor` spec, naming it and what is allowed.
+        """
+        if self.compressor is not None:
+            try:
+                return parse(self.compressor)
+            except ValueError as e:
+                raise ValueError(f"StreamingConfig.{e}") from None
         if self.sparsifier == "fed_dropout":
             return fed_dropout(self.drop_rate)
         if self.sparsifier == "dare":
@@ -254,9 +340,10 @@ class StreamingConfig:
             fragments=fragments,
             overlap=self.overlap,
             alpha=self.alpha,
-            compressor=self.compressor(),
+            compressor=self.build_compressor(),
             error_feedback=self.error_feedback,
             nonfinite=self.nonfinite,
+            merge=self.merge,
             has_aux=has_aux,
             **kwargs,
         )
