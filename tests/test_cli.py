@@ -154,3 +154,103 @@ def test_the_readme_default_run_checkpoints_and_resumes(monkeypatch, tmp_path, c
         f"stopped at step 7, checkpoint saved; resume with: python -m sdiloco train "
         f"--out {out}\n"
     )
+
+
+@pytest.mark.parametrize(
+    "flags, field",
+    [
+        (["--inner", "sgd"], "InnerConfig.kind='sgd'"),
+        (["--outer", "lion"], "OuterConfig.kind='lion'"),
+        (["--outer-momentum-warmup", "-2"], "OuterConfig.momentum_warmup=-2"),
+        (["--compressor", "int3"], "StreamingConfig.compressor spec='int3'"),
+        (["--merge", "lazy"], "StreamingConfig.merge='lazy'"),
+        (
+            ["--quantizer", "e2m1", "--compressor", "int2,ef"],
+            "compressor='int2,ef' with quantizer='e2m1'",
+        ),
+        (["--preset", "diloco", "--merge", "eager"], "no field 'merge'"),
+    ],
+    ids=["inner", "outer", "warmup", "compressor", "merge", "both", "diloco-merge"],
+)
+def test_bad_optimizer_compressor_or_merge_is_one_line_and_exit_2(flags, field, capsys):
+    from sdiloco.lab.cli import main
+
+    assert main(["train", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and field in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize(
+    "flags, expect",
+    [
+        (
+            ["--preset", "muloco"],
+            {"inner.kind": "muon", "compressor": "int2,ef", "quantizer": None},
+        ),
+        (
+            [
+                "--inner",
+                "muon",
+                "--outer",
+                "adam",
+                "--outer-lr",
+                "0.01",
+                "--compressor",
+                "topk:0.05/32,int2,ef:0.8",
+                "--merge",
+                "eager",
+            ],
+            {
+                "inner.kind": "muon",
+                "outer.kind": "adam",
+                "outer.lr": 0.01,
+                "compressor": "topk:0.05/32,int2,ef:0.8",
+                "quantizer": None,
+                "merge": "eager",
+            },
+        ),
+        (
+            ["--preset", "muloco", "--quantizer", "e2m1"],
+            {"compressor": None, "quantizer": "e2m1"},
+        ),
+        (
+            ["--outer-momentum", "0.8", "--outer-momentum-warmup", "5"],
+            {"outer.momentum": 0.8, "outer.momentum_warmup": 5},
+        ),
+    ],
+    ids=["muloco", "flags", "quantizer-replaces", "warmup"],
+)
+def test_optimizer_compressor_and_merge_flags_reach_the_config(
+    flags, expect, monkeypatch, tmp_path
+):
+    from sdiloco.lab import train
+    from sdiloco.lab.cli import main
+
+    seen = {}
+
+    def fake_run(cfg, out, **kwargs):
+        seen["cfg"] = cfg
+        raise train.Interrupted(1, signal.SIGINT, out)
+
+    monkeypatch.setattr(train, "run", fake_run)
+    out = str(tmp_path / "out")
+    assert main(["train", "--model", "tiny-xxxs", "--out", out, *flags]) == 130
+    cfg = seen["cfg"]
+    for path, value in expect.items():
+        obj = cfg if path.startswith("inner") else cfg.method
+        for part in path.split("."):
+            obj = getattr(obj, part)
+        assert obj == value, (path, obj)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("preset", ["muloco", "sparseloco", "eager"])
+def test_the_new_presets_train_from_the_cli(preset, tmp_path):
+    proc = _cli(
+        ["train", "--preset", preset, "--model", "tiny-xxxs", "--steps", "8"]
+        + ["--sync-every", "4", "--no-progress", "--out", str(tmp_path / "out")],
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    loss = json.loads(proc.stdout)["evals"][-1]["eval/global"]
+    assert 0 < loss < 6  # below ~ln(256) + noise: trained, finite
