@@ -64,28 +64,16 @@ def _train(args: argparse.Namespace) -> int:
     try:
         from .train import Interrupted, NonFiniteLoss, check_data, run, sync_warning
     except ModuleNotFoundError as e:  # the core install, without the lab extra
-        print(
-            f"error: training needs the lab extra ({e.name} is not installed): "
-            "pip install 'sdiloco[lab]'",
-            file=sys.stderr,
+        return _fail(
+            f"training needs the lab extra ({e.name} is not installed): "
+            "pip install 'sdiloco[lab]'"
         )
-        return 2
 
     from . import cluster
 
-    try:
-        cluster.connect(
-            args.coordinator,
-            args.num_processes,
-            args.process_id,
-            auto=args.auto_distributed,
-            timeout_s=args.init_timeout,
-        )
-    except ValueError as e:
-        return _fail(str(e))
-    except cluster.ConnectError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    failed = _connect(args, cluster)
+    if failed is not None:
+        return failed
     try:
         check_data(cfg)  # before the warning: a bad file is the one line
     except ValueError as e:
@@ -118,15 +106,35 @@ def _train(args: argparse.Namespace) -> int:
     finally:
         cluster.disconnect()
     if cluster.is_primary():
-        summary = {"evals": history.evals[-1:], "summary": history.summary}
-        print(json.dumps(summary, indent=1))
         _report(history, args.out)
     return 0
 
 
+def _connect(args: argparse.Namespace, cluster: Any) -> int | None:
+    """Join the job the flags describe (nothing for one process); the exit status
+    of a failure, after its one line."""
+    try:
+        cluster.connect(
+            args.coordinator,
+            args.num_processes,
+            args.process_id,
+            auto=args.auto_distributed,
+            timeout_s=args.init_timeout,
+        )
+    except ValueError as e:
+        return _fail(str(e))
+    except cluster.ConnectError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return None
+
+
 def _report(history: Any, out: str | None) -> None:
-    """The end of a run, on stderr: losses, bits, wall time, the files written (and
-    `loss.png` of the training curve, where matplotlib is installed)."""
+    """The end of a run: its final evaluation and summary as JSON on stdout, then on
+    stderr the losses, bits, wall time and the files written (and `loss.png` of the
+    training curve, where matplotlib is installed)."""
+    summary = {"evals": history.evals[-1:], "summary": history.summary}
+    print(json.dumps(summary, indent=1))
     s, rows, evals = history.summary, history.rows, history.evals
     lines = [f"done: {s['steps']} steps in {s['wall_s']:.0f} s"]
     if rows:
@@ -322,6 +330,19 @@ def _parser() -> argparse.ArgumentParser:
         help=f"the paper's method, one of {sorted(config_lib.PRESETS)} (default: "
         "Streaming DiLoCo with overlapped FP4 communication)",
     )
+    _add_method_flags(t.add_argument_group("model and method"))
+    _add_optimizer_flags(t.add_argument_group("optimizers"))
+    _add_budget_flags(t.add_argument_group("budget and data"))
+    _add_output_flags(t.add_argument_group("outputs"))
+    _add_device_flags(t.add_argument_group("devices and processes"))
+    _add_board_flags(t.add_argument_group("elastic islands (one process each)"))
+    t.add_argument("--replica", type=int, help="with --board: this island, 0 .. M-1")
+    _add_coordinate(sub)
+    return parser
+
+
+def _add_method_flags(t: Any) -> None:
+    """The model and the method's knobs."""
     run, method = config_lib.RunConfig, config_lib.StreamingConfig
     t.add_argument(
         "--model",
@@ -368,6 +389,10 @@ def _parser() -> argparse.ArgumentParser:
         help=f"merge policy: {' or '.join(MERGES)} (default alpha, the paper's; "
         "eager: each replica's own outer step during the overlap)",
     )
+
+
+def _add_optimizer_flags(t: Any) -> None:
+    """The inner and outer optimizers, the batch and the seed."""
     t.add_argument(
         "--inner",
         help=f"inner optimizer: {' or '.join(config_lib.INNER_KINDS)} (default "
@@ -414,6 +439,10 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         help="seed of the model, the compressors and the data order (default 0)",
     )
+
+
+def _add_budget_flags(t: Any) -> None:
+    """The budget, the data and what a non-finite loss does."""
     t.add_argument(
         "--tokens-per-param",
         type=float,
@@ -449,6 +478,11 @@ def _parser() -> argparse.ArgumentParser:
         help="a NaN or infinite training or held-out loss stops the run with exit "
         "status 1 (default), or is recorded and trained on",
     )
+
+
+def _add_output_flags(t: Any) -> None:
+    """Checkpoints, outputs and progress."""
+    run = config_lib.RunConfig
     t.add_argument(
         "--checkpoint-every",
         type=int,
@@ -464,11 +498,6 @@ def _parser() -> argparse.ArgumentParser:
         "--no-resume", action="store_true", help="ignore checkpoints in --out"
     )
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
-    _add_device_flags(t.add_argument_group("devices and processes"))
-    _add_board_flags(t.add_argument_group("elastic islands (one process each)"))
-    t.add_argument("--replica", type=int, help="with --board: this island, 0 .. M-1")
-    _add_coordinate(sub)
-    return parser
 
 
 def _add_coordinate(sub: Any) -> None:

@@ -241,24 +241,7 @@ def run(
         NonFiniteLoss: with `nonfinite_loss="stop"`.
     """
     c = config
-    if nonfinite_loss not in ("stop", "continue"):
-        raise ValueError(
-            f"nonfinite_loss={nonfinite_loss!r}; allowed: 'stop', 'continue'."
-        )
-    place = Placement.of(
-        c.method.num_replicas,
-        mesh,
-        devices_per_replica=devices_per_replica,
-        fsdp=fsdp,
-        courier=courier,
-    )
-    _check_batch(c, place)
-    if c.failures is not None and (courier or place.mesh is not None):
-        raise ValueError(
-            f"RunConfig.failures={c.failures!r} on a mesh or with a courier; allowed: "
-            "failures only in the one-device simulation (real processes fail in an "
-            "elastic job: python -m sdiloco coordinate / train --board)."
-        )
+    place = _placement(c, mesh, devices_per_replica, fsdp, courier, nonfinite_loss)
     r = build(config, place)
     history = History(config)
     log = _Log(r, history, progress and place.primary, place)
@@ -431,6 +414,37 @@ def _trace(c: RunConfig) -> chaos.Trace | None:
 def _participation(trace: chaos.Trace, step: int) -> Participation:
     """Row `step` (1-based) of a trace, as the step's input."""
     return Participation(*(jnp.asarray(x[step - 1]) for x in trace))
+
+
+def _placement(
+    c: RunConfig,
+    mesh: Mesh | None,
+    devices_per_replica: int | None,
+    fsdp: bool,
+    courier: bool,
+    nonfinite_loss: str,
+) -> Placement:
+    """Where `run`'s replicas live, once its options are checked (before any
+    compute)."""
+    if nonfinite_loss not in ("stop", "continue"):
+        raise ValueError(
+            f"nonfinite_loss={nonfinite_loss!r}; allowed: 'stop', 'continue'."
+        )
+    place = Placement.of(
+        c.method.num_replicas,
+        mesh,
+        devices_per_replica=devices_per_replica,
+        fsdp=fsdp,
+        courier=courier,
+    )
+    _check_batch(c, place)
+    if c.failures is not None and (courier or place.mesh is not None):
+        raise ValueError(
+            f"RunConfig.failures={c.failures!r} on a mesh or with a courier; allowed: "
+            "failures only in the one-device simulation (real processes fail in an "
+            "elastic job: python -m sdiloco coordinate / train --board)."
+        )
+    return place
 
 
 def _check_batch(c: RunConfig, place: Placement) -> None:

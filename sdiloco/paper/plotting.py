@@ -35,6 +35,8 @@ from typing import Any
 
 import matplotlib.pyplot as plt
 
+from ..lab import fields
+
 
 FAST: bool = os.environ.get("SDILOCO_FAST", "0") not in ("", "0", "false", "False")
 """Whether notebooks run their small, same-code-path mode (`SDILOCO_FAST=1`)."""
@@ -148,10 +150,9 @@ def versions() -> dict[str, str]:
 
 def _jsonable(x: Any) -> Any:
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
-        d = dataclasses.asdict(x)
-        if "vocab_size" in d and d["vocab_size"] is None:  # RunConfig's default,
-            del d["vocab_size"]  # left out as its own JSON does (older sidecars)
-        return _jsonable(d)
+        # As the config's own JSON: a field added after the sidecars were written is
+        # left out at its default, so they stay as they were (`fields.new_field`).
+        return _jsonable(fields.to_dict(x))
     if isinstance(x, Mapping):
         return {str(k): _jsonable(v) for k, v in x.items()}
     if isinstance(x, list | tuple):
