@@ -185,7 +185,7 @@ def test_bad_optimizer_compressor_or_merge_is_one_line_and_exit_2(flags, field, 
     [
         (
             ["--preset", "muloco"],
-            {"inner.kind": "muon", "compressor": "int2,ef", "quantizer": None},
+            {"inner.kind": "muon", "compressor": "int2:row,ef", "quantizer": None},
         ),
         (
             [

@@ -416,3 +416,14 @@ def test_new_fields_at_their_default_leave_the_json_and_records_as_they_were():
         config = json.loads(f.read_text())["config"]
         key = record_key(config_lib.RunConfig.from_json(json.dumps(config)))
         assert key == f.stem.split("-")[0], f.name
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("name", ["muloco", "sparseloco", "eager"])
+@jax.numpy_dtype_promotion("standard")  # optax's Adam and Muon: `b1 ** count`
+def test_the_new_presets_train_from_python(name):
+    from sdiloco.lab import train
+
+    c = config_lib.preset(name, model="tiny-xxxs", steps=8, sync_every=4, eval_every=8)
+    loss = train.run(c, progress=False).evals[-1]["eval/global"]
+    assert 0 < loss < 6  # finite, about ln(256) or below

@@ -400,13 +400,16 @@ def muloco_preset(sync_every: int = 100, **changes: Any) -> RunConfig:
     """MuLoCo (arXiv 2505.23725): the paper's final method (`streaming_overlap_fp4`:
     H = 100, τ = 1, α = 0.5, outer Nesterov) with what MuLoCo changes: Muon as the
     inner optimizer (`InnerConfig.kind="muon"`) and 2-bit outer gradients with error
-    feedback (`compressor="int2,ef"`) instead of E3M0."""
+    feedback instead of E3M0, with a scale per row (`compressor="int2:row,ef"`): with
+    one scale per tensor the ternary grid zeroes most entries, and at tiny-xxs
+    (20 tokens per parameter, 50 rounds, seed 0) the held-out loss was 3.51 against
+    2.12 per row."""
     method = StreamingConfig(
         sync_every=sync_every,
         overlap=1,
         alpha=0.5,
         quantizer=None,
-        compressor="int2,ef",
+        compressor="int2:row,ef",
     )
     return _make(
         f"muloco_h{sync_every}", method, changes, inner=InnerConfig(kind="muon")
