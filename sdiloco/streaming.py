@@ -680,9 +680,9 @@ def _send_carry(spec: StreamingSpec, state: StreamingState, replicas: Any) -> di
 
 
 def _on_send(spec, v, carry, outer, own, sends):
-    """The merge policy's `on_send` for fragment `v` (a stand-in, for `Eager`): the
-    replicas' pieces and the policy's state, left as they were for a replica not
-    sending. `outer` is θ_g and the outer state."""
+    """The merge policy's `on_send` for fragment `v` (a stand-in, for `Eager`). A
+    replica not sending keeps its pieces, and its policy state starts afresh from
+    θ_g (`init`: it applied no stand-in). `outer` is θ_g and the outer state."""
     params, outer_state = outer
     replicas = v.gather(carry["replicas"], 1)
     kept = None if carry["merge_state"] is None else v.gather(carry["merge_state"], 1)
@@ -698,9 +698,16 @@ def _on_send(spec, v, carry, outer, own, sends):
     new, policy_state = spec.policy.on_send(replicas, standin, kept)
     carry["replicas"] = _scatter_sent(v, carry["replicas"], new, sends)
     if policy_state is not None:
-        carry["merge_state"] = _scatter_sent(
-            v, carry["merge_state"], policy_state, sends
-        )
+        if sends is not None:
+            g = [spec.memory.fetch(x) for x in v.gather(_leaves(params))]
+            fresh = [
+                spec.policy.init(jnp.broadcast_to(x[None], r.shape).astype(r.dtype))
+                for x, r in zip(g, replicas)
+            ]
+            policy_state = [
+                where_replicas(sends, x, f) for x, f in zip(policy_state, fresh)
+            ]
+        carry["merge_state"] = v.scatter(carry["merge_state"], policy_state, axis=1)
     return carry
 
 

@@ -157,3 +157,23 @@ def test_eager_compiles_once_and_keeps_the_state_stable(dtype):
         lambda s, b, p: jax.lax.cond(p, lambda s: alg.step(s, b)[0], lambda s: s, s)
     )
     cond_step(state, b, True)
+
+
+def test_a_replica_that_does_not_send_applies_no_stand_in():
+    """Eager with a replica that computes but does not send at fragment 0's second
+    send (step 8): it keeps its parameters, and its policy state is θ_g (no stand-in
+    to swap out on arrival), while the sender holds its stand-in."""
+    params, alg = _alg(tau=1)
+    state = _run(alg, params, 7, 2)
+    batch = toy_batches(jr.key(2), steps=1, replicas=2)[0]
+    quiet = sdiloco.Participation.of([True, True], [True, True], [True, False])
+    before = state
+    state, metrics = jax.jit(alg.step)(state, batch, quiet)
+    assert bool(np.asarray(metrics["sync/sent"])[0])  # fragment 0 ("v") was sent
+    g = np.asarray(state.global_params["v"])
+    np.testing.assert_array_equal(np.asarray(state.merge_state["v"])[1], g)
+    mine = np.asarray(state.merge_state["v"])[0]
+    np.testing.assert_array_equal(mine, np.asarray(state.replica_params["v"])[0])
+    assert not np.array_equal(mine, g)  # the sender did step from θ_g
+    # the stale state of the last round would have been the sender's old stand-in
+    assert not np.array_equal(np.asarray(before.merge_state["v"])[1], g)
