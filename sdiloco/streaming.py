@@ -13,7 +13,8 @@ state, each testable alone, in the order of Alg. 2:
 4. `outer_update` (l.9-11): a fragment whose outer gradient arrives at t takes its
    outer step on θ_g;
 5. `merge_arrivals` (l.12): each replica m whose arrival `sent + τ_m` is t merges
-   `θ_m ← α·θ_m + (1 − α)·θ_g` on that fragment.
+   `θ_m ← α·θ_m + (1 − α)·θ_g` on that fragment, or does what the merge policy
+   says (`merging.py`; Eager also acts in `send`).
 
 Steps 1-2 are `local_phase` (nothing from other replicas) and 3-5 `sync_phase`; a
 `distributed.Courier` runs them as two programs and moves the messages between them.
@@ -608,7 +609,8 @@ def send(
 
     With `sends`, a replica not sending contributes a zero Δ (every compressor sends
     zero as zero) and keeps its residual; the mean is rescaled from M to the
-    `senders` replicas that sent (1.0 when all did).
+    `senders` replicas that sent (1.0 when all did). A merge policy that acts on
+    the send (`Eager`) then changes each sender's pieces (`_on_send`).
     """
     layout = spec.layout(state.global_params)
     t = state.step
