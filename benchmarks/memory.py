@@ -80,6 +80,8 @@ def analytic(
         # The posted exchange's packed messages (none with the in-step exchange):
         "outbox": 0,
         "inbox": 0,
+        # A stateful merge policy's (Eager's stand-ins; none with the alpha-merge):
+        "merge_state": 0,
     }
 
 

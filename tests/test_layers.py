@@ -3,7 +3,8 @@
 core (sdiloco/*.py, compression/, distributed/): jax, equinox, optax, jaxtyping, numpy
 and the standard library; never the harnesses. sim/: NumPy only. lab/: the core plus
 grain, orbax, tqdm, and sim/ (the training loop replays the chaos simulator's failure
-traces). paper/: anything; nothing imports it.
+traces), and matplotlib only where its absence is caught (`OPTIONAL`: the CLI's
+`loss.png`). paper/: anything; nothing imports it.
 """
 
 import ast
@@ -33,6 +34,9 @@ THIRD_PARTY = {
     },
     "paper": None,  # anything
 }
+OPTIONAL = {"lab": {"matplotlib"}}
+"""Packages a layer's extra does not install, imported only inside a `try` whose
+`except` catches `ImportError` (the feature is skipped without them)."""
 MAY_IMPORT = {  # which layers of sdiloco each layer may import
     "core": {"core"},
     "sim": {"sim"},
@@ -60,6 +64,29 @@ def imports(path: pathlib.Path) -> list[str]:
     """Absolute names of every module `path` imports (relative imports resolved)."""
     name = _module_name(path)
     return imports_in(path.read_text(), name, path.name == "__init__.py")
+
+
+def guarded_imports(source: str) -> set[str]:
+    """Top-level names imported inside a `try` that catches `ImportError`."""
+    out = set()
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Try):
+            continue
+        caught = {
+            n.id
+            for h in node.handlers
+            for n in ast.walk(h.type)
+            if h.type is not None and isinstance(n, ast.Name)
+        }
+        if not caught & {"ImportError", "ModuleNotFoundError"}:
+            continue
+        for stmt in node.body:
+            for sub in ast.walk(stmt):
+                if isinstance(sub, ast.Import):
+                    out |= {a.name.split(".")[0] for a in sub.names}
+                elif isinstance(sub, ast.ImportFrom) and not sub.level:
+                    out.add((sub.module or "").split(".")[0])
+    return out
 
 
 def imports_in(source: str, name: str, is_package: bool = False) -> list[str]:
@@ -91,13 +118,14 @@ def test_module_imports_only_what_its_layer_allows(path):
     if _module_name(path) == "sdiloco.__main__":  # the thin `python -m sdiloco` entry
         layer = "lab"
     bad = []
+    optional = OPTIONAL.get(layer, set()) & guarded_imports(path.read_text())
     for name in imports(path):
         top = name.split(".")[0]
         if top == "sdiloco":
             if _layer(name) not in MAY_IMPORT[layer]:
                 bad.append(name)
         elif top not in STDLIB and THIRD_PARTY[layer] is not None:
-            if top not in THIRD_PARTY[layer]:
+            if top not in THIRD_PARTY[layer] and top not in optional:
                 bad.append(name)
     assert not bad, f"{_module_name(path)} ({layer}) imports {bad}"
 
@@ -174,3 +202,11 @@ def test_core_import_loads_no_harness():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     )
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_an_optional_import_counts_only_where_its_absence_is_caught():
+    guarded = "try:\n    import matplotlib\nexcept ImportError:\n    pass\n"
+    assert guarded_imports(guarded) == {"matplotlib"}
+    assert guarded_imports("import matplotlib\n") == set()
+    other = "try:\n    import matplotlib\nexcept ValueError:\n    pass\n"
+    assert guarded_imports(other) == set()
