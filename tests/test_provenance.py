@@ -1,11 +1,11 @@
-"""Records tied to the code: a numerics fingerprint, and retraining a record."""
+"""Records tied to the code and machine: stamps, the fingerprint, and `--verify`."""
 
 import json
 
 import jax
 import pytest
 
-from sdiloco.paper import experiments as ex, provenance
+from sdiloco.paper import experiments as ex, provenance, verify
 
 
 @pytest.fixture(autouse=True)
@@ -14,23 +14,116 @@ def standard_promotion():
         yield
 
 
-@pytest.mark.integration
-def test_a_record_carries_the_fingerprint_and_retrains_bitwise(tmp_path, monkeypatch):
+def _tiny(steps=4, **changes):
+    """A Data-Parallel probe-sized run (tiny-xxxs, a few steps)."""
+    return provenance._lab_probes()["data_parallel"].replace(steps=steps, **changes)
+
+
+@pytest.fixture
+def records(tmp_path, monkeypatch):
     monkeypatch.setenv("SDILOCO_RUN_CACHE", str(tmp_path))
     monkeypatch.setattr(ex, "FAST", False)  # FAST mode writes no records
-    config = provenance._probes()[1]  # a 4-step Data-Parallel run of tiny-xxxs
-    ex.run_one("probe", config, seed=3)
-    (path,) = tmp_path.glob("*.json")
+    return tmp_path
+
+
+@pytest.mark.integration
+def test_a_record_is_fully_stamped_and_retrains_bitwise(records):
+    ex.run_one("probe", _tiny(), seed=3)
+    (path,) = records.glob("*.json")
     record = json.loads(path.read_text())
-    assert record["code"]["fingerprint"] == provenance.fingerprint()
+    code = record["code"]
+    assert provenance.is_stamped(record) and set(provenance.STAMP) <= set(code)
+    assert code["fingerprint"] == provenance.fingerprint()
     assert len(provenance.fingerprint()) == 16
+    assert set(code["probes"]) == set(provenance.PROBES)
+    assert code["machine"]["jax"] == jax.__version__
+    assert {"cpu", "isa", "cpus", "jaxlib", "xla_flags"} <= set(code["machine"])
     assert provenance.is_current(record)
     assert not provenance.is_current({k: v for k, v in record.items() if k != "code"})
-    (row,) = provenance.verify(tmp_path, 1)
-    assert row["same_fingerprint"] and row["equal"] and row["passed"]
+    # one probe of another machine type makes the record stale, fingerprint or not
+    other = {**code, "probes": {**code["probes"], "compressors": "0" * 16}}
+    assert not provenance.is_current({**record, "code": other})
+    # a record made before the extra probes (fingerprint only) compares on it
+    legacy = {k: code[k] for k in ("version", "commit", "fingerprint")}
+    assert provenance.is_current({**record, "code": legacy})
+    assert not provenance.is_stamped({**record, "code": legacy})
+
+    index = {"a_notebook": [path.stem]}
+    (row,) = verify.verify(records, index, 1, seed=0)
+    assert row["equal"] and row["passed"] and row["notebook"] == "a_notebook"
     # a record whose numbers were changed is caught
     record["evals"][-1]["eval/global"] *= 1.5
     path.write_text(json.dumps(record))
-    (row,) = provenance.verify(tmp_path, 1)
+    (row,) = verify.verify(records, index, 1, seed=0)
     assert not row["equal"] and not row["passed"]
     assert row["max_rel_gap"] == pytest.approx(1 / 3)
+
+
+def test_compare_fails_on_a_different_number_of_evaluations():
+    a = [{"step": 2, "eval/global": 3.0}, {"step": 4, "eval/global": 2.0}]
+    assert verify.compare(a, a) == {"equal": True, "max_rel_gap": 0.0, "why": ""}
+    # a prefix agrees bitwise, yet the lists are not the same run
+    short = verify.compare(a[:1], a)
+    assert not short["equal"] and "1 evaluations retrained vs 2" in short["why"]
+    assert not verify.compare(a, a[:1])["equal"]
+    moved = verify.compare([a[0], {"step": 4, "eval/global": 2.5}], a)
+    assert not moved["equal"] and moved["max_rel_gap"] == pytest.approx(0.25)
+
+
+def _fake_record(records, config, fingerprint):
+    d = {"config": json.loads(config.to_json()), "evals": [], "code": fingerprint}
+    key = ex.record_key(config)
+    (records / f"{key}.json").write_text(json.dumps(d))
+    return key
+
+
+def test_sample_takes_a_headline_record_and_rotates_with_the_seed(records, monkeypatch):
+    mine = {"fingerprint": "a" * 16, "probes": {"p": "b" * 16}}
+    monkeypatch.setattr(provenance, "_measure", lambda: ("a" * 16, {"p": "b" * 16}))
+    index, headline = {}, set()
+    for n in range(6):  # six notebooks of five cheap records each
+        index[f"nb{n}"] = [
+            _fake_record(records, _tiny(steps=4 + 2 * i, seed=10 * n + i), mine)
+            for i in range(5)
+        ]
+    for s in range(2):  # two current headline records, one stale one
+        c = ex.setup("streaming_overlap_fp4", regime=ex.REGIME).replace(seed=s)
+        headline.add(_fake_record(records, c, mine))
+    stale = {"fingerprint": "c" * 16}
+    c = ex.setup("data_parallel", regime=ex.REGIME)
+    index["headline"] = sorted(headline) + [_fake_record(records, c, stale)]
+
+    samples = [verify.sample(records, index, 4, seed) for seed in range(8)]
+    for chosen in samples:
+        assert len(chosen) == 4
+        assert chosen[0][1] in headline  # a current headline record, first
+        notebooks = [nb for nb, *_ in chosen[1:]]
+        assert len(set(notebooks)) == 3  # one per notebook
+        for nb, key, config, _ in chosen[1:]:
+            assert key in index[nb] and config.steps <= 10  # among the 4 cheapest
+    assert len({tuple(k for _, k, *_ in chosen) for chosen in samples}) > 1
+    # nothing current: nothing sampled (--verify re-trains a headline cell)
+    monkeypatch.setattr(provenance, "_measure", lambda: ("d" * 16, {}))
+    assert verify.sample(records, index, 4, 0) == []
+
+
+@pytest.mark.integration
+def test_verify_cell_checks_the_retrained_gap_against_the_published_interval(
+    records,
+):
+    cell = {"base": _tiny(), "method": _tiny(inner={"lr": 2e-3})}
+    for config in cell.values():
+        for s in (0, 1):
+            ex.run_one("cell", config, s)
+    result = verify.verify_cell(cell, seeds=(0, 1), records=records)
+    assert result["passed"]  # same machine: the same gap, inside its interval
+    assert result["retrained"]["mean"] == pytest.approx(result["published"]["mean"])
+    # a published gap far from what the code gives is caught
+    for s in (0, 1):
+        path = records / f"{ex.record_key(ex.with_seed(cell['method'], s))}.json"
+        d = json.loads(path.read_text())
+        d["evals"][-1]["eval/global"] += 2.0 + 0.01 * s
+        path.write_text(json.dumps(d))
+    assert not verify.verify_cell(cell, seeds=(0, 1), records=records)["passed"]
+    with pytest.raises(ValueError, match="no record"):
+        verify.verify_cell(cell, seeds=(0, 5), records=records)

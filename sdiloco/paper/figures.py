@@ -48,7 +48,7 @@ import tempfile
 import time
 from typing import Any
 
-from . import experiments, provenance
+from . import experiments, provenance, verify
 from .plotting import repo_root
 
 
@@ -174,12 +174,25 @@ def run_times(lines: list[str]) -> dict:
         "train_s": round(float(sum(walls)), 1),
         "trained_now_s": round(float(sum(now)), 1),
         "stale": sum(bool(d.get("stale")) for d in runs.values()),
+        "keys": sorted(runs),
     }
+
+
+def _index(out_dir: pathlib.Path, name: str, keys: list[str]) -> None:
+    """The record keys notebook `name` read, into `records.json` (what `--verify`
+    samples from); written only when they changed."""
+    path = verify.index_path(out_dir)
+    index = json.loads(path.read_text()) if path.exists() else {}
+    if index.get(name) == keys or (not keys and name not in index):
+        return
+    index[name] = keys
+    path.write_text(json.dumps(dict(sorted(index.items())), indent=0) + "\n")
 
 
 def _record(out_dir: pathlib.Path, name: str, wall: float, runs: dict) -> None:
     """The notebook's times into `out_dir/runtimes.json` if it trained or is not
     listed there, else (a re-render from records) into `runs/runtimes.json`."""
+    _index(out_dir, name, runs.pop("keys", []))
     render = max(0.0, wall - runs.pop("trained_now_s", 0.0))
     entry = {"render_s": round(render, 1), **runs}
     path = out_dir / "runtimes.json"
@@ -227,9 +240,21 @@ def _parser() -> argparse.ArgumentParser:
         "--verify",
         type=int,
         metavar="K",
-        help="retrain K fingerprinted records (sampled among the cheapest) and check "
-        "them: bitwise when made by code of this fingerprint, within "
-        "provenance.OTHER_MACHINE_RTOL otherwise; exit 1 if one fails or none exists",
+        help="retrain K records made by this code's numerics (a headline run, then one "
+        "per notebook, sampled with a seed that changes with the commit) and check them "
+        "bitwise; with no current headline record, re-train a headline cell and check "
+        "its seed-paired gap against the published interval; exit 1 if one fails",
+    )
+    p.add_argument(
+        "--verify-seed",
+        type=int,
+        metavar="S",
+        help="the sample's seed (default: from the commit)",
+    )
+    p.add_argument(
+        "--verify-cell",
+        action="store_true",
+        help="with --verify: re-train the headline cell as well (about 6 tiny-xs runs)",
     )
     p.add_argument("--list", action="store_true", help="list the notebooks and exit")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -252,9 +277,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.jobs < 1:
         p.error(f"--jobs={args.jobs}; must be >= 1.")
     if args.verify is not None:
-        return _verify(args.verify)
+        root = paths[0].parent.resolve().parent
+        out = pathlib.Path(args.out or root / "paper_figures").resolve()
+        return _verify(args.verify, args.verify_seed, args.verify_cell, out)
     if not args.fast:  # once here, for every notebook's kernel
-        os.environ[provenance.FINGERPRINT_ENV] = provenance.fingerprint()
+        os.environ[provenance.FINGERPRINT_ENV] = provenance.environment_value()
     # Outputs sit next to the notebooks, in their checkout.
     root = paths[0].parent.resolve().parent
     default = root / ("runs/figures-fast" if args.fast else "paper_figures")
@@ -263,28 +290,44 @@ def main(argv: list[str] | None = None) -> int:
     return _run_all(paths, out_dir, args.fast, args.jobs, child=args.child)
 
 
-def _verify(k: int) -> int:
-    """`--verify K`: retrain K current records and compare them bitwise."""
+def _verify(k: int, seed: int | None, cell: bool, out_dir: pathlib.Path) -> int:
+    """`--verify K`: retrain K current records (one headline, then one per notebook)
+    bitwise; re-train a headline cell where no headline record is current."""
     if k < 1:
         print(f"error: --verify={k}; must be >= 1.", file=sys.stderr)
         return 2
-    experiments.enable_compile_cache()
-    print(f"numerics fingerprint of this code: {provenance.fingerprint()}", flush=True)
-    rows = provenance.verify(experiments.records_dir(), k)
-    for row in rows:
-        made = "this fingerprint" if row["same_fingerprint"] else "another fingerprint"
-        verdict = "bitwise equal" if row["equal"] else "differs"
-        verdict += f", largest relative gap {row['max_rel_gap']:.2g}"
-        status = "ok" if row["passed"] else "FAILED"
-        print(f"{row['key']} ({made}): {verdict}: {status}", flush=True)
-    if not rows:
-        print(
-            "error: no record carries a numerics fingerprint; record runs with "
-            "python -m sdiloco.paper NAME first.",
-            file=sys.stderr,
-        )
+    path = verify.index_path(out_dir)
+    if not path.exists():
+        print(f"error: no {path}; render the notebooks first.", file=sys.stderr)
         return 1
-    return 0 if all(r["passed"] for r in rows) else 1
+    experiments.enable_compile_cache()
+    seed = verify.commit_seed() if seed is None else seed
+    print(
+        f"numerics of this code: fingerprint {provenance.fingerprint()}, probes "
+        f"{provenance.probes()}; sample seed {seed}",
+        flush=True,
+    )
+    index = json.loads(path.read_text())
+    rows = verify.verify(experiments.records_dir(), index, k, seed)
+    for row in rows:
+        verdict = "bitwise equal" if row["equal"] else f"FAILED: {row['why']}"
+        verdict += f" (largest relative gap {row['max_rel_gap']:.2g})"
+        what = f"{row['model']}, {row['steps']} steps"
+        print(f"{row['notebook']}: {row['key']} ({what}): {verdict}", flush=True)
+    passed = all(r["passed"] for r in rows)
+    if cell or not any(r["model"] in verify.HEADLINE_MODELS for r in rows):
+        print("re-training a headline cell (no current headline record)", flush=True)
+        result = verify.verify_cell()
+        before, after = result["published"], result["retrained"]
+        print(
+            f"{result['cell']}: published gap {before['mean']:+.4f} "
+            f"[{before['low']:+.4f}, {before['high']:+.4f}], retrained "
+            f"{after['mean']:+.4f} [{after['low']:+.4f}, {after['high']:+.4f}]: "
+            + ("inside" if result["passed"] else "FAILED: outside"),
+            flush=True,
+        )
+        passed = passed and result["passed"]
+    return 0 if passed else 1
 
 
 def _run_one(
@@ -314,10 +357,11 @@ def _run_all(
         runs_of = pool.map(lambda p: _run_one(p, out_dir, fast, alone), paths)
         for name, wall, rc, runs in runs_of:
             status = "ok" if rc == 0 else f"FAILED (exit {rc})"
-            if runs.get("stale"):
-                status += f"; {runs['stale']} of {runs['runs']} records have another "
-                status += "numerics fingerprint (stale: other code, or this code on "
-                status += "another machine type)"
+            if runs.get("runs"):
+                current = runs["runs"] - runs.get("stale", 0)
+                status += f"; {current} of {runs['runs']} records current"
+                if current < runs["runs"]:
+                    status += " (the others: other numerics or machine type; README)"
             if not runs.get("child") or rc:  # a child printed its own line
                 print(f"{name}: {status} in {wall:.0f} s", flush=True)
             if rc:

@@ -1,23 +1,34 @@
-"""Records tied to the code that made them: a numerics fingerprint, and retraining.
+"""Records tied to the code and the machine that made them, and checking them.
 
-Every run record written by `experiments.run_one` carries `"code"`: the library
-version, the git commit of the checkout (when there is one) and `fingerprint()`, a
-hash of the final state of two fixed tiny runs (Streaming DiLoCo with overlapped FP4,
-and Data-Parallel) trained by this code on this machine. Two pieces of code with the
-same fingerprint compute the same numbers, bitwise, on the same machine type; a change
-to the numerics (or a machine whose XLA rounds otherwise) changes it.
+Every run record written by `experiments.run_one` carries `"code"` (`code()`):
 
-- A record whose fingerprint differs from this code's is *stale*: `run_one` still
-  reads it (re-training everything on every change would cost days of CPU), but says
-  so in its run log, and `python -m sdiloco.paper` prints how many records each
-  notebook read stale and stores the count in `paper_figures/runtimes.json`.
-- `verify(k)` retrains k records made with this code's fingerprint and compares their
-  evaluations bitwise (`python -m sdiloco.paper --verify K`; CI runs it on a sample).
+- `version`, `commit` (with "+dirty" when the checkout has changes) and `source`, a
+  hash of every file of the package as imported, so an uncommitted change shows;
+- `fingerprint` and `probes`, the numerics (below);
+- `machine`: the CPU model, the instruction-set extensions XLA can use, the core
+  count, the jax and jaxlib versions and `XLA_FLAGS` (`machine()`).
+
+**The numerics fingerprint.** `probes()` trains or applies a few fixed tiny programs and
+hashes what they compute (`PROBES`): Streaming DiLoCo with overlapped FP4, Data-Parallel,
+DiLoCo with M = 4 and one replica absent for three steps then healed, and every
+compressor format and stage on one fixed array. `fingerprint()` is the hash of the
+first two, kept as it was computed before the other probes existed, so that every
+record made since compares. Two pieces of code with equal probes compute the same
+numbers, bitwise, on the same machine type; a change of numerics, of instruction set
+(`XLA_FLAGS=--xla_cpu_max_isa=AVX2` changes it) or of machine type changes them.
+
+- A record whose fingerprint differs from this code's is *stale*: `run_one` still reads
+  it (re-training everything on every change would cost days of CPU), says so in its
+  run log, and `python -m sdiloco.paper` prints per notebook how many of its records
+  are current.
+- `verify` retrains a sample of current records, one per notebook, with a seed that
+  rotates with the commit, and compares them bitwise; a machine with no current
+  headline record re-trains a headline cell instead and checks the seed-paired gap
+  against the published interval (`verify_cell`).
 
 Determinism, measured: same code, config, seed and machine type give bitwise equal
-runs (`verify`). Runs one float32 ulp apart drift apart like any chaotic system; how
-far is measured in `docs/decisions.md` so that a reader knows which differences are
-noise.
+runs. Runs one float32 ulp apart drift apart like any chaotic system; how far is
+measured in `docs/decisions.md` so that a reader knows which differences are noise.
 """
 
 import functools
@@ -25,26 +36,58 @@ import hashlib
 import json
 import os
 import pathlib
-import random
+import platform
+from collections.abc import Mapping
 from typing import Any
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
+import jax.random as jr
 import numpy as np
 
-from .. import __version__
+from .. import __version__, compression
+from ..compression.stages import split_feedback
 from ..lab import train
 from ..lab.config import RunConfig, preset
+from ..sim.chaos import Failures
 from .plotting import git_commit
 
 
 FINGERPRINT_ENV = "SDILOCO_FINGERPRINT"
-"""Environment variable: this code's fingerprint, computed once by `python -m
-sdiloco.paper` and read by the notebooks it executes."""
+"""Environment variable: this code's numerics (`{"fingerprint": ..., "probes": ...}` as
+JSON), measured once by `python -m sdiloco.paper` and read by the notebooks it runs."""
+
+PROBES: tuple[str, ...] = ("streaming_fp4", "data_parallel", "diloco_m4_absent")
+PROBES += ("compressors",)
+"""The probes, in the order they are hashed; the first two make `fingerprint()`."""
+
+ISA_FLAGS: tuple[str, ...] = (
+    "sse4_2",
+    "avx",
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512dq",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx512_fp16",
+    "amx_tile",
+    "amx_bf16",
+    "amx_int8",
+)
+"""The x86 extensions that decide which code XLA's CPU backend may generate."""
+
+STAMP: tuple[str, ...] = ("version", "commit", "source", "fingerprint", "probes")
+STAMP += ("machine",)
+"""The fields of a fully stamped record's `code`."""
 
 
-def _probes() -> list[RunConfig]:
-    """The fixed tiny runs whose final state is the fingerprint."""
+def _lab_probes() -> dict[str, RunConfig]:
+    """The fixed tiny runs among the probes (tiny-xxxs, a few steps each)."""
     common: dict[str, Any] = {
         "model": "tiny-xxxs",
         "eval_every": 6,
@@ -53,96 +96,170 @@ def _probes() -> list[RunConfig]:
         "data": {"global_batch_size": 4},
         "inner": {"warmup_steps": 2},
     }
-    return [
-        preset("streaming_overlap_fp4", tuned=False, steps=6, sync_every=2, **common),
-        preset("data_parallel", tuned=False, steps=4, **common),
-    ]
+    # Seed 6 of this trace: replica 2 is absent at steps 3-5 and heals at step 6.
+    absent = Failures(failures=0.5, repair=0.25, seed=6)
+    return {
+        "streaming_fp4": preset(
+            "streaming_overlap_fp4", tuned=False, steps=6, sync_every=2, **common
+        ),
+        "data_parallel": preset("data_parallel", tuned=False, steps=4, **common),
+        "diloco_m4_absent": preset(
+            "diloco",
+            tuned=False,
+            steps=8,
+            sync_every=2,
+            failures=absent,
+            **{
+                **common,
+                "method": {"num_replicas": 4},
+                "data": {"global_batch_size": 8},
+            },
+        ),
+    }
+
+
+COMPRESSOR_SPECS: tuple[str, ...] = tuple(
+    f"{f}:{g}" for f in compression.FORMATS for g in ("tensor", "row")
+) + ("e3m0:row:sr", "int8mm", "int2mm:block64", "topk:0.1", "topk:0.05/32,int2")
+COMPRESSOR_SPECS += ("dare:0.5", "dropout:0.5", "int2:row,ef:0.9")
+"""Every format at both scale granularities, stochastic rounding, min-max, top-k,
+chunked top-k chained with 2-bit, DARE, FedDropout and error feedback."""
+
+
+def _compressor_probe(h: Any) -> None:
+    """Each spec of `COMPRESSOR_SPECS` applied to one fixed array and key, into `h`
+    (with error feedback: its accumulated input, what is sent and the residual)."""
+    x = jr.normal(jr.key(0), (8, 96)) * jnp.logspace(-3, 1, 96)[None, :]
+    key = jr.key(1)
+
+    def apply(codec, feedback, x, key):
+        delta = x if feedback is None else feedback.accumulate(x, 0.5 * x[::-1])
+        sent = codec(delta, key)
+        residual = sent if feedback is None else feedback.residual(delta, sent)
+        return sent, residual
+
+    stages = [split_feedback(compression.parse(spec)) for spec in COMPRESSOR_SPECS]
+    outs = jax.jit(lambda x, key: [apply(c, f, x, key) for c, f in stages])(x, key)
+    for spec, out in zip(COMPRESSOR_SPECS, outs):
+        h.update(spec.encode())
+        for leaf in out:
+            h.update(np.asarray(leaf).tobytes())
 
 
 @functools.cache
-def fingerprint() -> str:
-    """This code's numerics on this machine: 16 hex digits of a sha256 over the final
-    parameters (θ_g and every replica's) and the evaluations of `_probes()`
-    (`$SDILOCO_FINGERPRINT` if set). Only numbers count: a new field of the state
-    that changes no parameter leaves it unchanged."""
+def _measure() -> tuple[str, dict[str, str]]:
+    """(fingerprint, probes) of this code on this machine, or from the environment."""
     if os.environ.get(FINGERPRINT_ENV):
-        return os.environ[FINGERPRINT_ENV]
-    h = hashlib.sha256()
-    for config in _probes():
+        value = os.environ[FINGERPRINT_ENV]
+        if not value.startswith("{"):  # a bare fingerprint (no probes)
+            return value, {}
+        d = json.loads(value)
+        return d["fingerprint"], d["probes"]
+    legacy = hashlib.sha256()  # the first two probes, hashed as one stream
+    probes = {}
+    for name, config in _lab_probes().items():
+        h = hashlib.sha256()
         with jax.numpy_dtype_promotion("standard"):
             history = train.run(config, progress=False)
         state = history.state
         params = (state.global_params, getattr(state, "replica_params", None))
-        for leaf in jax.tree.leaves(eqx.filter(params, eqx.is_array)):
-            h.update(np.asarray(leaf).tobytes())
-        h.update(json.dumps(history.evals, sort_keys=True).encode())
+        parts = [
+            np.asarray(x).tobytes()
+            for x in jax.tree.leaves(eqx.filter(params, eqx.is_array))
+        ]
+        parts.append(json.dumps(history.evals, sort_keys=True).encode())
+        for part in parts:
+            h.update(part)
+            if name in PROBES[:2]:
+                legacy.update(part)
+        probes[name] = h.hexdigest()[:16]
+    h = hashlib.sha256()
+    with jax.numpy_dtype_promotion("standard"), jax.numpy_rank_promotion("raise"):
+        _compressor_probe(h)
+    probes["compressors"] = h.hexdigest()[:16]
+    return legacy.hexdigest()[:16], probes
+
+
+def fingerprint() -> str:
+    """This code's numerics on this machine, as every record made since records carry
+    it: 16 hex digits of a sha256 over the final parameters (θ_g and every replica's)
+    and evaluations of the first two probes. Only numbers count: a new field of the
+    state that changes no parameter leaves it unchanged."""
+    return _measure()[0]
+
+
+def probes() -> dict[str, str]:
+    """16 hex digits per probe (`PROBES`): which part of the numerics differs."""
+    return dict(_measure()[1])
+
+
+def environment_value() -> str:
+    """What `FINGERPRINT_ENV` is set to for a child process (measured once here)."""
+    return json.dumps({"fingerprint": fingerprint(), "probes": probes()})
+
+
+@functools.cache
+def source() -> str:
+    """16 hex digits of a sha256 over every file of the package as imported (its
+    relative path and bytes), so an uncommitted change counts."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*")):
+        if path.is_file() and "__pycache__" not in path.parts:
+            h.update(str(path.relative_to(root)).encode() + b"\0")
+            h.update(path.read_bytes())
     return h.hexdigest()[:16]
 
 
-def code() -> dict[str, str]:
-    """What a record stores of the code that made it."""
+@functools.cache
+def machine() -> dict[str, Any]:
+    """Where a record is made: CPU model, ISA extensions, cores, jax, jaxlib, XLA flags."""
+    from jaxlib import version as jaxlib_version
+
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            name, _, value = line.partition(":")
+            if name.strip() == "model name":
+                model = value.strip()
+            elif name.strip() == "flags":
+                flags = set(value.split())
+            if model and flags:
+                break
+    except OSError:
+        pass
     return {
-        "version": __version__,
-        "commit": git_commit(),
-        "fingerprint": fingerprint(),
+        "cpu": model,
+        "isa": [f for f in ISA_FLAGS if f in flags],
+        "cpus": os.cpu_count(),
+        "jax": jax.__version__,
+        "jaxlib": jaxlib_version.__version__,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
     }
 
 
-def is_current(record: dict) -> bool:
-    """Whether a record was made by code with this code's fingerprint."""
-    return record.get("code", {}).get("fingerprint") == fingerprint()
+def code() -> dict[str, Any]:
+    """What a record stores of the code and machine that made it (`STAMP`)."""
+    return {
+        "version": __version__,
+        "commit": git_commit(),
+        "source": source(),
+        "fingerprint": fingerprint(),
+        "probes": probes(),
+        "machine": machine(),
+    }
 
 
-OTHER_MACHINE_RTOL = 0.01
-"""How far a record made on another machine type (another fingerprint) may differ
-when retrained here: three times the largest drift measured between two runs one
-rounding apart (0.3 %, docs/decisions.md)."""
+def is_current(record: Mapping[str, Any]) -> bool:
+    """Whether a record was made by code with this code's numerics on this machine
+    type: its fingerprint is this one and so is every probe it carries."""
+    c = record.get("code", {})
+    if c.get("fingerprint") != fingerprint():
+        return False
+    mine = probes()
+    return all(mine.get(k, v) == v for k, v in c.get("probes", {}).items())
 
 
-def verify(records: pathlib.Path, k: int, seed: int = 0) -> list[dict[str, Any]]:
-    """Retrain up to `k` fingerprinted records and compare them with what they hold.
-
-    The sample favours short runs: `k` drawn (with `seed`) from the fingerprinted
-    records with the fewest steps × parameters (the 4k cheapest), so that CI can
-    afford it. A record made by code with this fingerprint must match bitwise; one
-    made with another fingerprint (another machine type, or other numerics) within
-    `OTHER_MACHINE_RTOL` of each held-out loss.
-
-    Returns:
-        One row per record retrained: its key, whether its fingerprint is this
-        code's, whether its evaluations matched exactly, the largest relative
-        difference of a held-out loss, and whether it `passed`.
-    """
-    candidates = []
-    for path in sorted(records.glob("*.json")):
-        d = json.loads(path.read_text())
-        if d.get("code", {}).get("fingerprint"):
-            config = RunConfig.from_json(json.dumps(d["config"]))
-            cost = config.steps * train.build(config).model_config.num_params()
-            candidates.append((cost, path.stem, config, d))
-    candidates.sort(key=lambda x: x[0])
-    pool = candidates[: 4 * k]
-    chosen = random.Random(seed).sample(pool, min(k, len(pool)))
-    rows = []
-    for _, key, config, d in chosen:
-        with jax.numpy_dtype_promotion("standard"):
-            evals = train.run(config, progress=False).evals
-        gaps = [
-            abs(a[m] - b[m]) / abs(b[m])
-            for a, b in zip(evals, d["evals"])
-            for m in a
-            if m.startswith("eval/")
-        ]
-        gap = max(gaps, default=float("inf"))
-        same = is_current(d)
-        equal = evals == d["evals"]
-        rows.append(
-            {
-                "key": key,
-                "same_fingerprint": same,
-                "equal": equal,
-                "max_rel_gap": gap,
-                "passed": equal if same else gap <= OTHER_MACHINE_RTOL,
-            }
-        )
-    return rows
+def is_stamped(record: Mapping[str, Any]) -> bool:
+    """Whether a record carries every field of `STAMP`."""
+    return all(record.get("code", {}).get(k) for k in STAMP)

@@ -1,0 +1,151 @@
+"""The compression frontier: every recipe of the DiLoCo family on one model, one
+budget and one tuning protocol (`notebooks/compression_frontier.py`).
+
+A recipe is a preset and the changes that make it (`RECIPES`). Each is tuned by a
+reduced form of the protocol of `sdiloco.paper.tuning`: `coordinate_search` on the
+validation split, seed 0, of the inner learning rate (2x apart) and then the outer
+learning rate, each from the tuned settings of the paper's final method at that size
+and extended past an edge where the best sits there; the outer momentum, the batch and
+the warmup keep the final method's tuned values (SparseLoCo's outer SGD has no
+momentum). The recipes are tuned with M = 2 replicas; M = 4 reuses those values.
+
+The x-axis of the frontier is read from the compiled wire (`wire_bits`): the bytes
+of every fragment's packed message (`sdiloco.distributed.wire.Wire`, the layout the
+mesh and the elastic exchanges send), traced for the model of the config.
+"""
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.random as jr
+
+from ..distributed.exchange import replica_keys
+from ..distributed.wire import Wire
+from ..lab import train
+from ..lab.config import RunConfig, preset as make_preset
+from . import experiments
+from .tuning import Axis, Search, coordinate_search, doubling, step_by
+
+
+RECIPES: dict[str, tuple[str, dict[str, Any]]] = {
+    "fp32": ("streaming_overlap_fp4", {"method": {"quantizer": None}}),
+    "bf16": ("streaming_overlap_fp4", {"method": {"quantizer": "bf16"}}),
+    "E4M3": ("streaming_overlap_fp4", {"method": {"quantizer": "e4m3"}}),
+    "E3M0 (paper)": ("streaming_overlap_fp4", {}),
+    "E2M1": ("streaming_overlap_fp4", {"method": {"quantizer": "e2m1"}}),
+    "int8 min-max": (
+        "streaming_overlap_fp4",
+        {"method": {"quantizer": None, "compressor": "int8mm"}},
+    ),
+    "2-bit + EF": (
+        "streaming_overlap_fp4",
+        {"method": {"quantizer": None, "compressor": "int2:row,ef"}},
+    ),
+    "SparseLoCo (top-2 % + 2-bit + EF)": (
+        "sparseloco",
+        {"method": {"compressor": "topk:0.02/64,int2,ef:0.9"}},
+    ),
+    "MuLoCo (Muon + 2-bit + EF)": ("muloco", {}),
+    "E3M0 + Muon": ("streaming_overlap_fp4", {"inner": {"kind": "muon"}}),
+}
+"""Recipe name → (preset, changes). Every recipe is Streaming DiLoCo with the paper's
+overlap (τ = 1, α = 0.5) and fragments; only what is sent and the optimizers change.
+The 2-bit recipes scale per row (`int2:row`): one scale per tensor zeroes most
+entries (`config.muloco_preset`)."""
+
+PAPER = "E3M0 (paper)"
+"""The paper's point, marked on the plot."""
+
+
+def axes(recipe: str, model: str) -> tuple[Axis, Axis]:
+    """The two swept axes of `recipe`, each centred on its preset's tuned value."""
+    base = make_preset(RECIPES[recipe][0], model=model, **RECIPES[recipe][1])
+    lr = base.inner.lr
+    inner = Axis("inner.lr", (lr / 2, lr, 2 * lr), doubling, max_extensions=2)
+    outer_config = getattr(base.method, "outer")  # every recipe is DiLoCo-family
+    o = outer_config.lr
+    if outer_config.kind == "sgd":  # around 1: the EF sum replaces momentum
+        outer = Axis("method.outer.lr", (o / 2, o, 1.5 * o), step_by(o / 2, o / 4))
+    else:
+        grid = (round(o - 0.2, 10), o, round(o + 0.2, 10))
+        outer = Axis("method.outer.lr", grid, step_by(0.2, 0.1))
+    return inner, outer
+
+
+def tune(
+    recipe: str,
+    model: str,
+    *,
+    regime: experiments.Regime,
+    num_replicas: int = 2,
+    seeds: Sequence[int] = (0,),
+) -> Search:
+    """The reduced protocol for one recipe (module docstring), recorded and
+    resumable like every run."""
+    name, changes = RECIPES[recipe]
+    method = {**changes.get("method", {}), "num_replicas": num_replicas}
+    base = make_preset(
+        name, model=model, data={"validation": True}, **{**changes, "method": method}
+    )
+    return coordinate_search(
+        regime.apply(base), axes(recipe, model), regime=regime, seeds=seeds
+    )
+
+
+def tuned_config(
+    recipe: str,
+    search: Search,
+    *,
+    model: str,
+    regime: experiments.Regime,
+    num_replicas: int = 2,
+) -> RunConfig:
+    """`recipe` at the values `search` chose, on the held-out split, with M replicas."""
+    name, changes = RECIPES[recipe]
+    chosen = search.best_values(axes(recipe, model))
+    method = {
+        **changes.get("method", {}),
+        "num_replicas": num_replicas,
+        "outer": {"lr": chosen["method.outer.lr"]},
+    }
+    inner = {**changes.get("inner", {}), "lr": chosen["inner.lr"]}
+    return experiments.setup(
+        name, model=model, regime=regime, **{**changes, "method": method}, inner=inner
+    )
+
+
+def wire_bits(config: RunConfig) -> float:
+    """Bits per parameter per outer round of `config`, from the compiled wire.
+
+    Every fragment is sent once per round; its message is what `Wire.encode` returns
+    for one replica, traced (`jax.eval_shape`) for this model's parameters, with the
+    exchange's keys. Without a compressor the values travel as raw float32.
+    """
+    run = train.build(config)
+    spec = run.algorithm.spec
+    params = eqx.filter(run.model, eqx.is_inexact_array)
+    leaves = jax.tree.leaves(params)
+    fragments = spec.fragments_of(params)
+    deltas = [jax.ShapeDtypeStruct((1,) + x.shape, x.dtype) for x in leaves]
+    keys = replica_keys(jr.key_data(jr.key(0)), len(leaves), 1)
+    total = 0
+    for p in range(fragments.num_fragments):
+        wire = Wire(spec.compressor, fragments, deltas, keys, p)
+        one = [jax.ShapeDtypeStruct(d.shape[1:], d.dtype) for d in deltas]
+        message = jax.eval_shape(wire.encode, one, [k[0] for k in keys])
+        total += message.shape[0]
+    return 8 * total / sum(x.size for x in leaves)
+
+
+def frontier(points: Mapping[str, tuple[float, float]]) -> list[str]:
+    """The recipes on the Pareto frontier of (bits, gap): no other recipe has fewer
+    or equal bits and a lower gap (ordered by bits)."""
+    names = sorted(points, key=lambda n: (points[n][0], points[n][1]))
+    front, best = [], float("inf")
+    for n in names:
+        if points[n][1] < best:
+            front.append(n)
+            best = points[n][1]
+    return front

@@ -1,0 +1,182 @@
+"""Checking the committed records by training them again (`python -m sdiloco.paper
+--verify K`).
+
+Which records: the figure command writes `paper_figures/records.json`, the record
+keys each notebook read. `sample` takes one **headline** record (tiny-xs or larger)
+and then one record per notebook in a shuffled order (a random one of that notebook's
+four cheapest), until it has `k`; the shuffle's seed rotates with the commit, so
+successive CI runs check different records.
+
+How: a record made by code of this numerics (`provenance.is_current`) must come back
+bitwise, evaluation by evaluation, and with as many evaluations. A record of another
+fingerprint (other code, or this code on another machine type) cannot be checked
+bitwise; such a machine re-trains a headline cell instead (`verify_cell`): the
+Streaming FP4 and Data-Parallel runs of one cell, every seed, whose new seed-paired
+gap must lie inside the interval the records publish.
+"""
+
+import json
+import pathlib
+import random
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+
+from ..lab import train
+from ..lab.config import RunConfig
+from . import experiments, provenance
+
+
+HEADLINE_MODELS: tuple[str, ...] = ("tiny-xs", "tiny-xs+", "tiny-s")
+"""The model sizes of the headline runs (the smaller ones are for trends)."""
+
+
+def index_path(out_dir: pathlib.Path) -> pathlib.Path:
+    """Where the figure command writes the record keys each notebook read."""
+    return out_dir / "records.json"
+
+
+def commit_seed() -> int:
+    """A sampling seed that changes with every commit (0 outside a checkout)."""
+    commit = provenance.git_commit()
+    try:
+        return int(commit[:8], 16)
+    except ValueError:
+        return 0
+
+
+def _load(records: pathlib.Path, key: str) -> tuple[RunConfig, dict] | None:
+    path = records / f"{key}.json"
+    if not path.exists():
+        return None
+    d = json.loads(path.read_text())
+    return RunConfig.from_json(json.dumps(d["config"])), d
+
+
+def _cost(config: RunConfig) -> int:
+    return config.steps * train.build(config).model_config.num_params()
+
+
+def sample(
+    records: pathlib.Path, index: Mapping[str, Sequence[str]], k: int, seed: int
+) -> list[tuple[str, str, RunConfig, dict]]:
+    """Up to `k` current records as `(notebook, key, config, record)`: a headline
+    record first (if one is current), then one per notebook (module docstring)."""
+    rng = random.Random(seed)
+    current: dict[str, list[tuple[int, str, RunConfig, dict]]] = {}
+    for notebook in sorted(index):
+        for key in sorted(set(index[notebook])):
+            loaded = _load(records, key)
+            if loaded and provenance.is_current(loaded[1]):
+                cost = _cost(loaded[0])
+                current.setdefault(notebook, []).append((cost, key, *loaded))
+    headline = [
+        (nb, key, c, d)
+        for nb, runs in current.items()
+        for _, key, c, d in runs
+        if c.model in HEADLINE_MODELS
+    ]
+    chosen = []
+    if headline:
+        headline.sort(key=lambda x: (_cost(x[2]), x[1]))
+        cheapest = headline[: max(1, len(headline) // 2)]  # within a CI budget
+        chosen.append(rng.choice(cheapest))
+    notebooks = sorted(current)
+    rng.shuffle(notebooks)
+    for nb in notebooks:
+        if len(chosen) >= k:
+            break
+        runs = sorted(current[nb], key=lambda x: (x[0], x[1]))[:4]
+        _, key, c, d = rng.choice(runs)
+        if key not in {x[1] for x in chosen}:
+            chosen.append((nb, key, c, d))
+    return chosen[:k]
+
+
+def compare(new: Sequence[dict], old: Sequence[dict]) -> dict[str, Any]:
+    """Evaluation lists compared: `equal` (bitwise, same length), the largest
+    relative gap of a held-out loss over the common evaluations, and `why` not."""
+    gaps = [
+        abs(a[m] - b[m]) / abs(b[m])
+        for a, b in zip(new, old)
+        for m in a
+        if m.startswith("eval/") and m in b
+    ]
+    why = ""
+    if len(new) != len(old):
+        why = f"{len(new)} evaluations retrained vs {len(old)} recorded"
+    elif list(new) != list(old):
+        why = "evaluations differ"
+    return {"equal": not why, "max_rel_gap": max(gaps, default=0.0), "why": why}
+
+
+def verify(
+    records: pathlib.Path, index: Mapping[str, Sequence[str]], k: int, seed: int
+) -> list[dict[str, Any]]:
+    """Retrain the records `sample` picks and compare them bitwise (`compare`).
+
+    Returns:
+        One row per record: notebook, key, model, steps, the comparison, `passed`.
+    """
+    rows = []
+    for notebook, key, config, d in sample(records, index, k, seed):
+        with jax.numpy_dtype_promotion("standard"):
+            evals = train.run(config, progress=False).evals
+        row = {"notebook": notebook, "key": key, "model": config.model}
+        row |= {"steps": config.steps, **compare(evals, d["evals"])}
+        rows.append(row | {"passed": row["equal"]})
+    return rows
+
+
+def headline_cell(
+    regime: experiments.Regime = experiments.REGIME,
+) -> dict[str, RunConfig]:
+    """The cell `verify_cell` re-trains by default: Streaming FP4 and Data-Parallel at
+    tiny-xs, the standard budget, the held-out split (every headline table's row)."""
+    return {
+        "Data-Parallel": experiments.setup("data_parallel", regime=regime),
+        "Streaming FP4": experiments.setup("streaming_overlap_fp4", regime=regime),
+    }
+
+
+def verify_cell(
+    cell: Mapping[str, RunConfig] | None = None,
+    seeds: Sequence[int] = experiments.SEEDS,
+    records: pathlib.Path | None = None,
+) -> dict[str, Any]:
+    """Re-train a cell (baseline first, then the method) at every seed, without
+    reading or writing records, and check the new seed-paired gap against the one the
+    records publish.
+
+    Passes when the new mean gap lies inside the published 95 % interval.
+
+    Raises:
+        ValueError: if a run of the cell has no record (nothing is published).
+    """
+    cell = headline_cell() if cell is None else cell
+    records = experiments.records_dir() if records is None else records
+    (base_name, base), (name, method) = list(cell.items())
+    published, new = {}, {}
+    for label, config in ((base_name, base), (name, method)):
+        published[label], new[label] = [], []
+        for s in seeds:
+            c = experiments.with_seed(config, s)
+            loaded = _load(records, experiments.record_key(c))
+            if loaded is None:
+                raise ValueError(
+                    f"verify_cell: no record of {label!r} seed {s} "
+                    f"({experiments.record_key(c)}); nothing is published to check."
+                )
+            published[label].append(loaded[1]["evals"][-1]["eval/global"])
+            with jax.numpy_dtype_promotion("standard"):
+                new[label].append(train.run(c, progress=False).final_eval())
+    before = experiments.paired_gap(published[base_name], published[name])
+    after = experiments.paired_gap(new[base_name], new[name])
+    inside = before["low"] <= after["mean"] <= before["high"]
+    return {
+        "cell": f"{name} vs {base_name} ({method.model})",
+        "published": before,
+        "retrained": after,
+        "passed": bool(inside),
+    }
