@@ -31,7 +31,8 @@ from hypothesis import given, settings, strategies as st
 
 import sdiloco
 from sdiloco import distributed
-from sdiloco.distributed.board import Board, BoardPosted, HealRouter
+from sdiloco.distributed import board as board_lib
+from sdiloco.distributed.board import Board, BoardError, BoardPosted, HealRouter
 
 
 M = 3
@@ -261,3 +262,76 @@ def test_a_request_routed_to_a_peer_that_dies_or_returns_is_routed_again():
     _ask(board2, 1, "m")  # island 1 died and asks for a heal itself
     route2(board2, {0, 1}, (1,))
     assert board2.served() == {0: 1} and board2.keys("heal/want/") == ["heal/want/2"]
+
+
+# ------------------------------------------------------------ errors and the runtime
+
+
+def test_the_private_runtime_is_one_function_and_takes_the_boards_arguments():
+    # Every use of JAX's private API goes through `board.runtime`.
+    import ast
+    import pathlib
+
+    root = pathlib.Path(sdiloco.__file__).parent
+    private = []
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            if any(n.startswith("jax._src") for n in names):
+                private.append(path.relative_to(root).as_posix())
+    assert private == ["distributed/board.py"], private
+    runtime = board_lib.runtime()
+    client = runtime.get_distributed_runtime_client.__doc__
+    service = runtime.get_distributed_runtime_service.__doc__
+    for arg in ("init_timeout", "heartbeat_timeout", "shutdown_on_destruction"):
+        assert f"{arg}:" in client, arg
+    for arg in ("heartbeat_timeout", "recoverable"):
+        assert f"{arg}:" in service, arg
+    names = {"blocking_key_value_get_bytes", "key_value_set_bytes", "key_value_delete"}
+    assert names <= set(dir(runtime.DistributedRuntimeClient))
+
+
+class _Failing(Board):
+    """A board whose runtime raises `error` on every call."""
+
+    def __init__(self, error):  # pyright: ignore[reportMissingSuperCall]
+        self.node, self.error = 2, error
+
+    def _fail(self, *args):
+        raise self.error
+
+
+@pytest.mark.parametrize(
+    "error, kind, words",
+    [
+        ("UNAVAILABLE: failed to connect", BoardError, "the board is unreachable"),
+        ("DEADLINE_EXCEEDED: deadline", BoardError, "the board is unreachable"),
+        (
+            "INVALID_ARGUMENT: Protobuf is too large to be serialized",
+            board_lib.BoardProtocolError,
+            "the board refused put 'msg/1-0/2'",
+        ),
+        ("no status at all", board_lib.BoardProtocolError, "the board refused put"),
+    ],
+)
+def test_errors_are_named_for_what_they_are(error, kind, words):
+    board = _Failing(RuntimeError(error))
+    with pytest.raises(BoardError) as caught:
+        board._call("put", "msg/1-0/2", board._fail)
+    assert type(caught.value) is kind
+    assert words in str(caught.value) and "node 2" in str(caught.value)
+    if kind is board_lib.BoardProtocolError:
+        assert "unreachable" not in str(caught.value)
+
+
+def test_malformed_values_are_protocol_errors_naming_the_key():
+    with pytest.raises(board_lib.BoardProtocolError, match="'members/4-1' holds"):
+        board_lib._ints(b"0,x", "members/4-1")
+    board = DictBoard()
+    board.put("heal/serve/0", b"garbage")
+    with pytest.raises(board_lib.BoardProtocolError, match="heal/serve/0 holds"):
+        board_lib.serve_heals(board, 0, {"x": np.zeros(2)})

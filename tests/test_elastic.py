@@ -32,7 +32,7 @@ from helpers import assert_trees_allclose, cpu_env, finish_processes, free_port
 
 from benchmarks import wan
 from sdiloco.distributed.board import RoundLog
-from sdiloco.lab import cli, config as config_lib, train
+from sdiloco.lab import cli, config as config_lib, elastic as elastic_lib, train
 from sdiloco.lab.elastic import Membership
 
 
@@ -312,3 +312,13 @@ def test_bad_flags_are_one_line(argv, message):
     assert status == 2
     lines = err.getvalue().strip().splitlines()
     assert len(lines) == 1 and message in lines[0], lines
+
+
+def test_the_step_file_is_replaced_whole(tmp_path):
+    elastic_lib._write(tmp_path, "island-0.step", "5")
+    with pytest.raises(TypeError):
+        elastic_lib._write(tmp_path, "island-0.step", 6)  # pyright: ignore
+    assert (tmp_path / "island-0.step").read_text() == "5"  # never empty
+    elastic_lib._write(tmp_path, "island-0.step", "7")
+    assert (tmp_path / "island-0.step").read_text() == "7"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["island-0.step"]

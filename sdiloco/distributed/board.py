@@ -64,6 +64,27 @@ class BoardError(RuntimeError):
     """A key did not appear on the board in time, or the board is unreachable."""
 
 
+class BoardProtocolError(BoardError):
+    """The board answered, but not as the protocol says: it refused a request (a
+    value too large, an argument it does not take), or a value read back does not
+    parse. Retrying does not help; the message names the key and what was wrong."""
+
+
+def runtime() -> Any:
+    """JAX's coordination-service bindings: the one place the board touches JAX's
+    private API.
+
+    `jax.distributed` runs the same service and client, but keeps them in a module
+    global and exposes no handle to their key-value store, nor the `recoverable`
+    option a board needs (a replica process may die and connect again); so the
+    board builds its own from the bindings below. `tests/test_board.py` checks that
+    they still take the arguments the board passes.
+    """
+    from jax._src.lib import _jax  # pyright: ignore[reportPrivateImportUsage]
+
+    return _jax
+
+
 class Board:
     """A connection to the job's key-value store (JAX's coordination service).
 
@@ -92,10 +113,7 @@ class Board:
         heartbeat_s: int = 10,
         connect_timeout_s: int = 300,
     ):
-        # The service and client behind jax.distributed; JAX has no public handle
-        # to its key-value store (jax.distributed keeps its own in a global).
-        from jax._src.lib import _jax  # pyright: ignore[reportPrivateImportUsage]
-
+        _jax = runtime()
         if not 0 <= node < num_nodes:
             raise ValueError(f"node={node}; allowed: 0 ... {num_nodes - 1}.")
         self.node, self.num_nodes = node, num_nodes
@@ -129,7 +147,9 @@ class Board:
             return self._client.blocking_key_value_get_bytes(
                 key, max(1, int(timeout_s * 1000))
             )
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 - the runtime raises its own types
+            if _status(e) != "DEADLINE_EXCEEDED":
+                raise self._failure("get", key, e) from None
             raise BoardError(
                 f"node {self.node}: {key!r} not on the board within {timeout_s:g} s "
                 f"({_cause(e)})"
@@ -140,9 +160,9 @@ class Board:
         try:
             return self._client.key_value_try_get_bytes(key)
         except Exception as e:  # noqa: BLE001 - the runtime raises its own types
-            if str(e).startswith("NOT_FOUND"):
+            if _status(e) == "NOT_FOUND":
                 return None
-            raise self._unreachable("get", key, e) from None
+            raise self._failure("get", key, e) from None
 
     def keys(self, prefix: str) -> list[str]:
         """Every key under the directory `prefix` (ending in `/`)."""
@@ -157,12 +177,19 @@ class Board:
         try:
             return fn(*args)
         except Exception as e:  # noqa: BLE001 - the runtime raises its own types
-            raise self._unreachable(what, key, e) from None
+            raise self._failure(what, key, e) from None
 
-    def _unreachable(self, what: str, key: str, e: Exception) -> BoardError:
-        return BoardError(
-            f"node {self.node}: {what} {key!r} failed, the board is unreachable "
-            f"({_cause(e)})"
+    def _failure(self, what: str, key: str, e: Exception) -> BoardError:
+        """The runtime's error as what it is: the board out of reach (the service
+        gone, the link down, a call past its deadline), or a request the board
+        refused (a `BoardProtocolError`)."""
+        if _status(e) in _UNREACHABLE:
+            return BoardError(
+                f"node {self.node}: {what} {key!r} failed, the board is unreachable "
+                f"({_cause(e)})"
+            )
+        return BoardProtocolError(
+            f"node {self.node}: the board refused {what} {key!r} ({_cause(e)})"
         )
 
     def close(self) -> None:
@@ -273,14 +300,20 @@ def board_round(
     if post:
         board.put(f"msg/{name}/{m}", own.tobytes())
         board.put(f"arrived/{name}/{m}", b"1")
-    members = tuple(_ints(board.get(f"members/{name}", timeout_s)))
+    members = tuple(_ints(board.get(f"members/{name}", timeout_s), f"members/{name}"))
     out = np.zeros((num_replicas,) + own.shape, np.uint8)
     received = 0
     for j in members:
         if j == m and post:
             out[j] = own
         else:
-            out[j] = np.frombuffer(board.get(f"msg/{name}/{j}", timeout_s), np.uint8)
+            blob = board.get(f"msg/{name}/{j}", timeout_s)
+            if len(blob) != own.size:
+                raise BoardProtocolError(
+                    f"msg/{name}/{j} holds {len(blob)} bytes; allowed: {own.size} "
+                    "(the same run's message on every island)."
+                )
+            out[j] = np.frombuffer(blob, np.uint8)
             received += own.size
     log.append(RoundLog(name, posted, time.perf_counter() - start, members, received))
     return out, members
@@ -423,9 +456,16 @@ def request_heal(
     """
     nonce = f"{time.time_ns()}"
     board.put(f"heal/want/{replica}", nonce.encode())
-    blob = board.get(f"heal/state/{replica}/{nonce}", timeout_s)
-    board.delete(f"heal/state/{replica}/{nonce}")
-    state = eqx.tree_deserialise_leaves(io.BytesIO(blob), _host(template))
+    key = f"heal/state/{replica}/{nonce}"
+    blob = board.get(key, timeout_s)
+    board.delete(key)
+    try:
+        state = eqx.tree_deserialise_leaves(io.BytesIO(blob), _host(template))
+    except (RuntimeError, ValueError, TypeError, EOFError) as e:
+        raise BoardProtocolError(
+            f"{key!r}: {len(blob)} bytes that are not a state of this run ({e}); "
+            "allowed: a peer of the same run (the same flags on every island)."
+        ) from None
     return state, len(blob)
 
 
@@ -439,7 +479,11 @@ def serve_heals(board: Board, replica: int, state: Any) -> int:
     if ask is None:
         return 0
     board.delete(f"heal/serve/{replica}")
-    peer, nonce = ask.decode().split(":")
+    peer, _, nonce = ask.decode(errors="replace").partition(":")
+    if not peer.isdigit() or not nonce:
+        raise BoardProtocolError(
+            f"heal/serve/{replica} holds {ask[:40]!r}; allowed: '<replica>:<nonce>'."
+        )
     buffer = io.BytesIO()
     eqx.tree_serialise_leaves(buffer, _host(state))
     board.put(f"heal/state/{peer}/{nonce}", buffer.getvalue())
@@ -574,6 +618,18 @@ def _arrivals(board: Board) -> dict[str, set[int]]:
     return out
 
 
+_UNREACHABLE = {"UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED", "ABORTED"}
+"""The runtime's status codes that mean the service is out of reach, not that it
+refused the request."""
+
+
+def _status(e: Exception) -> str:
+    """The runtime's status code at the head of its message (`"NOT_FOUND: ..."`),
+    or "" when there is none."""
+    head = str(e).split(":", 1)[0].strip()
+    return head if head.isupper() and head.replace("_", "").isalpha() else ""
+
+
 def _cause(e: Exception) -> str:
     """The runtime's error in one short line."""
     return f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
@@ -583,8 +639,14 @@ def _bytes(members: tuple[int, ...]) -> bytes:
     return ",".join(map(str, members)).encode()
 
 
-def _ints(blob: bytes) -> list[int]:
-    return [int(x) for x in blob.decode().split(",") if x]
+def _ints(blob: bytes, key: str) -> list[int]:
+    """The replicas listed in `blob` (`_bytes`), or a `BoardProtocolError`."""
+    try:
+        return [int(x) for x in blob.decode().split(",") if x]
+    except (UnicodeDecodeError, ValueError):
+        raise BoardProtocolError(
+            f"{key!r} holds {blob[:40]!r}; allowed: replica ids joined by ','."
+        ) from None
 
 
 def _host(tree: Any) -> Any:

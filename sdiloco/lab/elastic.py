@@ -348,10 +348,17 @@ def _say(replica: int, text: str) -> None:
 
 
 def _write(out_dir: str | os.PathLike | None, name: str, text: str) -> None:
-    if out_dir is not None:
-        os.makedirs(out_dir, exist_ok=True)
-        with open(os.path.join(out_dir, name), "w") as f:
-            f.write(text)
+    """Write `out_dir/name` whole or not at all: the text goes to a file beside it,
+    which then replaces it (`os.replace` is atomic on POSIX), so a reader polling
+    the step file never sees it empty or half-written."""
+    if out_dir is None:
+        return
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, name)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
 
 
 def _stack(batch: Any) -> dict[str, np.ndarray]:
