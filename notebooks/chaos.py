@@ -28,17 +28,27 @@
 # `docs/elastic.md`). Three seeds; seed s draws the model, the data order and the
 # failure trace.
 #
-# **Time model.** The same trace replayed in time (`chaos.wall_clock`): a step takes
-# time proportional to its tokens (1 s for 16 sequences), a failure is noticed after a
-# 10 s heartbeat timeout, a collective that meets an unnoticed failure waits for it
-# (Data-Parallel has one every step, the DiLoCo family only at its syncs), and a
-# returning replica downloads 12 bytes per parameter of a 1B-parameter model (its
-# parameters and AdamW moments in float32) over 10 Gbit/s before it computes.
+# **Time model.** The same trace replayed in time (`chaos.wall_clock`), calibrated on
+# the measured elastic job (`benchmarks/measured/elastic.json`: three islands, one
+# SIGKILLed and restarted, 3 seeds): a step takes time proportional to its tokens (1 s
+# for 16 sequences); a failure stalls a collective that meets it for the measured
+# stall of the survivors (their longest wait, 4.0 s: the grace window); a returning
+# replica spends the measured restart (process start to joined, less its heal: 15.8 s)
+# and then downloads 12 bytes per parameter of a 1B-parameter model (its parameters
+# and AdamW moments in float32) over 10 Gbit/s before it computes (Data-Parallel has a
+# collective every step, the DiLoCo family only at its syncs). **Work a failure throws
+# away is not useful**: a failed replica heals to θ_g, so the inner steps it took
+# since it last sent each fragment are lost (weighted by the fragment's share of the
+# parameters); Data-Parallel, which sends every step, loses none.
 
 # %%
+import json
+
+import equinox as eqx
 import matplotlib.pyplot as plt
 import numpy as np
 
+from sdiloco import communication
 from sdiloco.paper import experiments as ex, plotting
 from sdiloco.sim import chaos
 
@@ -54,7 +64,16 @@ METHODS = {
     "DiLoCo": "diloco",
     "Streaming FP4": "streaming_overlap_fp4",
 }
-TIMING = dict(detect_s=10.0, heal_bytes=12 * 1e9, bandwidth_gbit=10.0)
+MEASURED = json.loads(
+    (plotting.repo_root() / "benchmarks/measured/elastic.json").read_text()
+)
+KILLED = [seed["killed"] for seed in MEASURED["results"].values()]
+TIMING = dict(
+    detect_s=float(np.mean([k["survivor_longest_wait_s"] for k in KILLED])),
+    restart_s=float(np.mean([k["restart_to_joined_s"] - k["heal_s"] for k in KILLED])),
+    heal_bytes=12 * 1e9,
+    bandwidth_gbit=10.0,
+)
 
 
 def config(preset: str, rate: float, seed: int):
@@ -74,15 +93,19 @@ by_name = {r.name: r for r in results}
 
 
 # %%
-def syncs(cfg) -> np.ndarray:
-    """`[T]` bool: the steps with a collective (every step for Data-Parallel)."""
-    steps = np.arange(1, cfg.steps + 1)
+def sends(cfg) -> tuple[np.ndarray, np.ndarray]:
+    """`[T, P]` bool: the steps at which each fragment is sent (Data-Parallel: one
+    fragment, every step), and `[P]` each fragment's share of the parameters."""
     if cfg.method.kind == "data_parallel":
-        return np.ones(cfg.steps, bool)
+        return np.ones((cfg.steps, 1), bool), np.ones(1)
     from sdiloco.lab.train import build
 
-    schedule = build(cfg).algorithm.spec.schedule
-    return np.asarray([schedule.sent(int(t)).any() for t in steps])
+    run = build(cfg)
+    spec = run.algorithm.spec
+    frags = spec.fragments_of(eqx.filter(run.model, eqx.is_inexact_array))
+    sizes = np.asarray(communication.bits_per_fragment(None, frags), np.float64)
+    steps = np.arange(1, cfg.steps + 1)
+    return np.asarray([spec.schedule.sent(int(t)) for t in steps]), sizes / sizes.sum()
 
 
 def timing(cfg) -> chaos.Timing:
@@ -93,7 +116,9 @@ def replay(cfg) -> dict:
     trace = chaos.failure_trace(
         cfg.failures or chaos.Failures(), cfg.method.num_replicas, cfg.steps
     )
-    return chaos.wall_clock(trace, syncs(cfg), timing(cfg)) | chaos.summary(trace)
+    sent, shares = sends(cfg)
+    out = chaos.wall_clock(trace, sent.any(1), timing(cfg), sent=sent, shares=shares)
+    return out | chaos.summary(trace)
 
 
 def finals(method: str, rate: float) -> list[float]:
@@ -121,6 +146,19 @@ def reached_text(times: list[float]) -> str:
     return f"{ex.mean_pm(ex.describe(done), 0)} ({len(done)}/{len(times)})"
 
 
+def points_text(base: list[float], other: list[float]) -> str:
+    """Seed-paired `other − base` of a fraction, in points with its 95 % interval."""
+    if len(base) < 2:
+        return f"{100 * (np.mean(other) - np.mean(base)):+.1f} pts (one seed)"
+    g = ex.paired_gap(base, other)
+    return f"{100 * g['mean']:+.1f} pts [{100 * g['low']:+.1f}, {100 * g['high']:+.1f}]"
+
+
+replays = {
+    (m, r): [replay(configs[names[m, r, s]]) for s in SEEDS]
+    for m in METHODS
+    for r in RATES
+}
 rows = []
 curves = {m: {"loss": [], "goodput": [], "time": [], "down": []} for m in METHODS}
 for method in METHODS:
@@ -129,8 +167,9 @@ for method in METHODS:
             (configs[names[method, rate, s]], by_name[names[method, rate, s]])
             for s in SEEDS
         ]
-        times = [replay(cfg) for cfg, _ in runs]
+        times = replays[method, rate]
         goodput = [t["goodput"] for t in times]
+        dp_goodput = [t["goodput"] for t in replays["Data-Parallel", rate]]
         reach = [
             time_to_target(cfg, r, t["wall_s"] / cfg.steps)
             for (cfg, r), t in zip(runs, times)
@@ -149,6 +188,12 @@ for method in METHODS:
                 if method == "Data-Parallel"
                 else ex.gap_text(finals("Data-Parallel", rate), finals(method, rate)),
                 "goodput": ex.mean_pm(ex.describe(goodput), 3),
+                "goodput vs Data-Parallel": "—"
+                if method == "Data-Parallel" or rate == 0
+                else points_text(dp_goodput, goodput),
+                "discarded steps": round(
+                    float(np.mean([t["discarded_steps"] for t in times])), 1
+                ),
                 "stall s/failure": round(
                     sum(t["stall_s"] for t in times) / failures, 1
                 ),
@@ -175,9 +220,13 @@ plotting.save_table(
         "Held-out loss: mean ± std over seeds, every held-out window. Gaps: "
         "seed-paired relative mean and 95 % t-interval of the differences in nats "
         "(the same seed draws the same failure trace for every method). Goodput: "
-        "inner steps taken × step time ÷ (M × wall-clock), replayed by "
-        "`sdiloco.sim.chaos.wall_clock` (step 1 s per 16 sequences, 10 s heartbeat "
-        "timeout, 12 GB healed over 10 Gbit/s). Target loss: "
+        "inner steps taken and kept × step time ÷ (M × wall-clock), replayed by "
+        "`sdiloco.sim.chaos.wall_clock` (step 1 s per 16 sequences; calibrated on the "
+        f"measured elastic job: {TIMING['detect_s']:.1f} s stall per failure, "
+        f"{TIMING['restart_s']:.1f} s restart; 12 GB healed over 10 Gbit/s). "
+        "Discarded steps (mean over seeds): inner steps a failed replica took since "
+        "it last sent each fragment, thrown away when it heals to θ_g (weighted by "
+        "the fragment's share), counted as lost. Target loss: "
         f"{TARGET:.4f}, the worst final loss of any run without failures; read at "
         "the run's "
         "evaluations, so the wall-clock to it is coarse; (k/n): how many seeds "

@@ -71,14 +71,10 @@ ROUNDS = first.steps // H
 
 
 def gaps(m, name):
-    """Per (τ, seed): the relative gap to Data-Parallel at the same M (%)."""
+    """`[seeds, τ]`: the relative gap to Data-Parallel at the same M (%)."""
     dp = np.asarray(ex.finals(baseline, f"M={m}"))
-    xs, ys = [], []
-    for tau in TAUS:
-        loss = np.asarray(ex.finals(results, f"M={m}|tau={tau}|{name}"))
-        xs += [tau] * len(loss)
-        ys += list(100 * (loss - dp) / dp)
-    return np.asarray(xs), np.asarray(ys)
+    loss = [np.asarray(ex.finals(results, f"M={m}|tau={t}|{name}")) for t in TAUS]
+    return 100 * (np.asarray(loss) - dp) / dp  # [τ, seeds]
 
 
 # %%
@@ -98,11 +94,10 @@ for m in REPLICAS:
 slopes = []
 for m in REPLICAS:
     for name in MERGES:
-        x, y = gaps(m, name)
         if len(TAUS) < 2 or len(SEEDS) < 2:
             slopes.append({"M": m, "merge": name, "slope": "(FAST: no fit)"})
             continue
-        fit = ex.trend(x, y)
+        fit = ex.seed_slopes(TAUS, gaps(m, name).T)
         slopes.append(
             {
                 "M": m,
@@ -110,7 +105,7 @@ for m in REPLICAS:
                 "gap slope, % per step of tau": (
                     f"{fit['slope']:+.3f} [{fit['low']:+.3f}, {fit['high']:+.3f}]"
                 ),
-                "points": fit["n"],
+                "seeds": fit["n"],
             }
         )
 title = (
@@ -134,7 +129,10 @@ plotting.save_table(
     slopes,
     f"{NOTEBOOK}_slopes",
     title="The cost of overlap: the slope of the gap to Data-Parallel against tau",
-    notes="Least squares over every (tau, seed) point, 95 % t-interval (n - 2 dof).",
+    notes=(
+        "Per seed, the least-squares slope of the gap against tau; the mean of the "
+        "seeds' slopes with its 95 % t-interval (seeds - 1 dof)."
+    ),
     notebook=NOTEBOOK,
     config=configs,
     seeds=SEEDS,
@@ -149,9 +147,9 @@ fig, axes = plt.subplots(
 )
 for ax, m in zip(axes[0], REPLICAS):
     for name in MERGES:
-        x, y = gaps(m, name)
-        mean = [y[x == tau].mean() for tau in TAUS]
-        half = [ex.t_half_width(y[x == tau]) for tau in TAUS]
+        y = gaps(m, name)
+        mean = y.mean(1)
+        half = [ex.t_half_width(row) for row in y]
         label = f"{name} (untuned)" if name == "eager" else name
         ax.errorbar(
             TAUS,

@@ -68,6 +68,7 @@ def test_wall_clock_without_failures_is_steps_times_step_time():
         "stall_s": 0.0,
         "heal_s": 0.0,
         "lost_steps": 0,
+        "discarded_steps": 0.0,
     }
 
 
@@ -86,7 +87,40 @@ def test_one_failure_stalls_data_parallel_and_a_sync_only_inside_the_window():
     syncs[24] = False
     late = chaos.wall_clock(trace, syncs, TIMING)
     assert late["stall_s"] == 0.0 and late["wall_s"] == 60.0
-    assert late["goodput"] == pytest.approx(100 / 120)  # 20 of 120 replica-steps down
+    # 20 of 120 replica-steps down, and the 20 steps replica 1 took before it died
+    # were never sent: it heals to θ_g, so they are thrown away
+    assert late["discarded_steps"] == 20.0
+    assert late["goodput"] == pytest.approx(80 / 120)
+    # Data-Parallel sends every step: a failure throws nothing away
+    assert every["discarded_steps"] == 0.0
+    assert every["goodput"] == pytest.approx(100 / (2 * 70))
+
+
+def test_a_failure_discards_each_fragments_work_since_its_last_send():
+    """Two fragments (a quarter and three quarters of the parameters), fragment 0
+    sent at rows 3, 7, 11 and fragment 1 at rows 5, 9. Replica 1 dies at row 8: its
+    rows 6 and 7 never reached fragment 1 (row 7's send of fragment 0 carried row 7),
+    so 0.75 × 2 steps are thrown away; replica 0, which straggles at row 7 (computes,
+    its message misses the round), loses nothing as it never fails."""
+    alive = np.ones((12, 2), bool)
+    alive[8:10, 1] = False
+    sends = alive.copy()
+    sends[7, 0] = False
+    trace = chaos.Trace(alive, alive.copy(), sends)
+    sent = np.zeros((12, 2), bool)
+    sent[[3, 7, 11], 0] = True
+    sent[[5, 9], 1] = True
+    syncs = sent.any(1)
+    shares = np.array([0.25, 0.75])
+    out = chaos.wall_clock(trace, syncs, TIMING, sent=sent, shares=shares)
+    assert out["discarded_steps"] == pytest.approx(1.5)
+    assert out["useful_s"] == pytest.approx(22 - 1.5)
+    # the same failure one row later throws away rows 6, 7, 8 of fragment 1 and row 8
+    # of fragment 0 (nothing is sent at row 8)
+    alive[8, 1], alive[9:11, 1] = True, False
+    trace = chaos.Trace(alive, alive.copy(), alive.copy())
+    out = chaos.wall_clock(trace, syncs, TIMING, sent=sent, shares=shares)
+    assert out["discarded_steps"] == pytest.approx(0.25 * 1 + 0.75 * 3)
 
 
 def test_healing_costs_the_returning_replica_its_download():
@@ -97,7 +131,12 @@ def test_healing_costs_the_returning_replica_its_download():
     out = chaos.wall_clock(trace, np.zeros(30, bool), timing)
     assert timing.heal_s == pytest.approx(3.0)
     assert out["lost_steps"] == 3 and out["heal_s"] == pytest.approx(3.0)
-    assert out["useful_s"] == 60 - 5 - 3
+    # 5 steps down, 3 healing, and the 10 steps taken before the failure, never sent
+    assert out["discarded_steps"] == 10.0
+    assert out["useful_s"] == 60 - 5 - 3 - 10
+    restart = chaos.Timing(1.0, 0.0, 3e9 / 8, 1.0, restart_s=4.0)
+    out = chaos.wall_clock(trace, np.zeros(30, bool), restart)
+    assert out["lost_steps"] == 7 and out["heal_s"] == pytest.approx(7.0)
 
 
 @pytest.mark.parametrize(

@@ -344,3 +344,35 @@ def test_trend_rejects_too_few_points_and_a_constant_x():
         ex.trend([0.0, 1.0], [0.0, 1.0])
     with pytest.raises(ValueError, match="varying x"):
         ex.trend([2.0, 2.0, 2.0], [0.0, 1.0, 2.0])
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    xs=st.lists(st.floats(-5, 5), min_size=2, max_size=6),
+    seeds=st.integers(2, 5),
+    seed=st.integers(0, 2**16),
+)
+def test_seed_slopes_fit_each_seed_then_average_with_a_t_interval(xs, seeds, seed):
+    """Against numpy: `polyfit` per seed, then the mean of those slopes with the t
+    interval of seeds − 1 degrees of freedom; the points' count does not enter."""
+    import numpy as np
+
+    x = np.asarray(xs)
+    assume(np.ptp(x) >= 1e-3)
+    rng = np.random.default_rng(seed)
+    ys = rng.normal(0, 1, (seeds, 1)) + rng.normal(0.3, 0.2, (seeds, 1)) * x
+    ys = ys + rng.normal(0, 0.05, ys.shape)
+    fit = ex.seed_slopes(x, ys)
+    per_seed = np.asarray([np.polyfit(x, y, 1)[0] for y in ys])
+    assert fit["slope"] == pytest.approx(per_seed.mean(), rel=1e-6, abs=1e-9)
+    half = ex.t975(seeds - 1) * per_seed.std(ddof=1) / math.sqrt(seeds)
+    assert fit["high"] - fit["slope"] == pytest.approx(half, rel=1e-6, abs=1e-9)
+    assert fit["slope"] - fit["low"] == pytest.approx(half, rel=1e-6, abs=1e-9)
+    assert fit["n"] == seeds
+
+
+def test_seed_slopes_rejects_one_seed_and_a_constant_x():
+    with pytest.raises(ValueError, match="seeds >= 2"):
+        ex.seed_slopes([0.0, 1.0], [[0.0, 1.0]])
+    with pytest.raises(ValueError, match="varying x"):
+        ex.seed_slopes([2.0, 2.0], [[0.0, 1.0], [1.0, 2.0]])

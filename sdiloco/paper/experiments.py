@@ -125,6 +125,30 @@ def trend(
     return {"slope": slope, "low": slope - half, "high": slope + half, "n": x.size}
 
 
+def seed_slopes(
+    x: Sequence[float] | np.ndarray, ys: Sequence[Sequence[float]] | np.ndarray
+) -> dict[str, float]:
+    """The slope of `y` on `x` fitted per seed (`ys[s]` over `x`), then the mean of the
+    seeds' slopes with its 95 % t-interval (seeds − 1 degrees of freedom): for points
+    that share a seed (the same model, data and baseline at every x), so the seeds,
+    not the points, are the independent draws.
+
+    Raises:
+        ValueError: with fewer than two seeds or two distinct x values.
+    """
+    x, ys = np.asarray(x, np.float64), np.asarray(ys, np.float64)
+    if ys.ndim != 2 or ys.shape[1] != x.size or len(ys) < 2 or np.ptp(x) < 1e-300:
+        raise ValueError(
+            f"seed_slopes needs [seeds >= 2, {x.size}] values over a varying x; got "
+            f"shape {ys.shape}."
+        )
+    dx = x - x.mean()
+    slopes = (ys - ys.mean(1, keepdims=True)) @ dx / (dx @ dx)
+    half = t_half_width(slopes)
+    mean = float(slopes.mean())
+    return {"slope": mean, "low": mean - half, "high": mean + half, "n": len(slopes)}
+
+
 def describe(values: Sequence[float]) -> dict[str, float]:
     """Mean, std (ddof=1; 0 for one value), min, max and n (what `mean_pm` reads)."""
     v = np.asarray(values, np.float64)

@@ -178,15 +178,18 @@ class Timing:
         heal_bytes: bytes a returning replica downloads (its parameters and inner
             optimizer state, e.g. 3 × 4 bytes per parameter for AdamW in float32).
         bandwidth_gbit: the link it downloads over, Gbit/s.
+        restart_s: seconds a returning replica's process takes to start before it
+            asks for its state (imports, model, compiled programs).
     """
 
     step_s: float
     detect_s: float
     heal_bytes: float
     bandwidth_gbit: float
+    restart_s: float = 0.0
 
     def __post_init__(self):
-        for name in ("step_s", "detect_s", "heal_bytes", "bandwidth_gbit"):
+        for name in ("step_s", "detect_s", "heal_bytes", "bandwidth_gbit", "restart_s"):
             v = getattr(self, name)
             check(_real(v) and v >= 0, f"Timing.{name}", v, "a number >= 0")
         check(
@@ -202,33 +205,52 @@ class Timing:
         return 8 * self.heal_bytes / (self.bandwidth_gbit * 1e9)
 
 
-def wall_clock(trace: Trace, syncs: np.ndarray, timing: Timing) -> dict[str, float]:
+def wall_clock(
+    trace: Trace,
+    syncs: np.ndarray,
+    timing: Timing,
+    sent: np.ndarray | None = None,
+    shares: np.ndarray | None = None,
+) -> dict[str, float]:
     """Replay `trace` in time for a method whose collectives are at `syncs`.
 
     Step t takes `step_s`. A failure at step t (alive at t − 1, not at t) is noticed
     `detect_s` later; a collective step (`syncs[t]`; every step for Data-Parallel)
     that starts before then waits until it is noticed, which stalls every live
-    replica. A returning replica spends `heal_s` downloading its state before its
-    first inner step, without stalling the others; its inner steps meanwhile are
-    lost (the trace's computes is reduced accordingly).
+    replica. A returning replica restarts (`restart_s`) and downloads its state
+    (`heal_s`) before its first inner step, without stalling the others; its inner
+    steps meanwhile are lost (the trace's computes is reduced accordingly).
+
+    Work a failure throws away is not useful either: a failed replica heals to θ_g, so
+    the inner steps it took since it last sent a fragment never reach that fragment.
+    Each is counted lost in proportion to the fragment's share of the parameters
+    (`discarded_steps`); under Data-Parallel, which sends every step, nothing is.
 
     Args:
         trace: the run's participation.
         syncs: `[T]` bool, the steps with a collective.
         timing: the time model.
+        sent: `[T, P]` bool, the steps at which fragment p is sent (default:
+            `syncs`, one fragment).
+        shares: `[P]`, each fragment's fraction of the parameters (default equal).
 
     Returns:
-        `wall_s`, `useful_s` (inner steps taken × `step_s`), `goodput` (useful over
-        M × wall), `stall_s` (time the live replicas waited on failures), `heal_s`
-        (download time of all returns), `lost_steps` (inner steps lost to healing).
+        `wall_s`, `useful_s` (inner steps taken and kept × `step_s`), `goodput` (useful
+        over M × wall), `stall_s` (time the live replicas waited on failures),
+        `heal_s` (restart and download time of all returns), `lost_steps` (inner
+        steps lost to restarting and healing), `discarded_steps` (inner steps taken
+        and thrown away by failures).
     """
     alive, computes = np.asarray(trace.alive), np.asarray(trace.computes).copy()
     steps, num_replicas = alive.shape
     syncs = np.asarray(syncs, bool)
     check(syncs.shape == (steps,), "syncs.shape", syncs.shape, f"({steps},)")
+    sent = syncs[:, None] if sent is None else np.asarray(sent, bool)
+    check(sent.ndim == 2 and len(sent) == steps, "sent.shape", sent.shape, "(T, P)")
+    shares = np.full(sent.shape[1], 1 / sent.shape[1]) if shares is None else shares
     was = np.vstack([np.ones((1, num_replicas), bool), alive[:-1]])
     now, noticed, stall, lost = 0.0, 0.0, 0.0, 0
-    heal_steps = int(np.ceil(timing.heal_s / timing.step_s))
+    heal_steps = int(np.ceil((timing.restart_s + timing.heal_s) / timing.step_s))
     for t in range(steps):
         if (was[t] & ~alive[t]).any():  # a failure, noticed detect_s from now
             noticed = max(noticed, now + timing.detect_s)
@@ -240,16 +262,36 @@ def wall_clock(trace: Trace, syncs: np.ndarray, timing: Timing) -> dict[str, flo
             stall += noticed - now
             now = noticed
         now += timing.step_s
-    useful = float(computes.sum()) * timing.step_s
+    discarded = discarded_steps(trace, computes, sent, np.asarray(shares))
+    useful = (float(computes.sum()) - discarded) * timing.step_s
     returns = int((~was & alive).sum())
     return {
         "wall_s": now,
         "useful_s": useful,
         "goodput": useful / (num_replicas * now),
         "stall_s": stall,
-        "heal_s": returns * timing.heal_s,
+        "heal_s": returns * (timing.restart_s + timing.heal_s),
         "lost_steps": lost,
+        "discarded_steps": discarded,
     }
+
+
+def discarded_steps(
+    trace: Trace, computes: np.ndarray, sent: np.ndarray, shares: np.ndarray
+) -> float:
+    """Inner steps taken and thrown away by failures, weighted by fragment share:
+    at each failure, the steps the replica computed since it last sent each
+    fragment (a step's send carries that step's work)."""
+    alive, sends = np.asarray(trace.alive), np.asarray(trace.sends)
+    pending = np.zeros((alive.shape[1], sent.shape[1]))
+    discarded = 0.0
+    for t in range(alive.shape[0]):
+        failed = ~alive[t] & (alive[t - 1] if t else True)
+        discarded += float((pending[failed] @ shares).sum())
+        pending[failed] = 0.0
+        pending[computes[t]] += 1.0
+        pending[np.ix_(sends[t], sent[t])] = 0.0
+    return discarded
 
 
 def _real(x: object) -> bool:
