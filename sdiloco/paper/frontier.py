@@ -116,6 +116,16 @@ def tuned_config(
     )
 
 
+def baseline(num_replicas: int, *, model: str, regime: experiments.Regime) -> RunConfig:
+    """Data-Parallel at its tuned settings with M replicas (the same global batch)."""
+    return experiments.setup(
+        "data_parallel",
+        model=model,
+        regime=regime,
+        method={"num_replicas": num_replicas},
+    )
+
+
 def wire_bits(config: RunConfig) -> float:
     """Bits per parameter per outer round of `config`, from the compiled wire.
 
@@ -149,3 +159,43 @@ def frontier(points: Mapping[str, tuple[float, float]]) -> list[str]:
             front.append(n)
             best = points[n][1]
     return front
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m sdiloco.paper.frontier [--shard I N] [--replicas 2 4]`: train the
+    frontier's runs in the order the notebook needs them, resumable (every run is a
+    record): each recipe's tuning at M = 2, then its three seeds at each M. `--shard I
+    N` takes every N-th recipe from the I-th, so that N processes share the work."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m sdiloco.paper.frontier")
+    p.add_argument("--shard", type=int, nargs=2, default=(0, 1), metavar=("I", "N"))
+    p.add_argument("--replicas", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--model", default=experiments.MODEL)
+    args = p.parse_args(argv)
+    i, n = args.shard
+    if not 0 <= i < n:
+        p.error(f"--shard {i} {n}: need 0 <= I < N.")
+    experiments.enable_compile_cache()
+    mine = [r for j, r in enumerate(RECIPES) if j % n == i]
+    regime, searches = experiments.REGIME, {}
+    for m in args.replicas:
+        if i == 0:
+            dp = baseline(m, model=args.model, regime=regime)
+            for seed in experiments.SEEDS:
+                experiments.run_one("Data-Parallel", dp, seed)
+        for r in mine:
+            if r not in searches:
+                searches[r] = tune(r, args.model, regime=regime)
+                print(r, "tuned:", searches[r].best_values(axes(r, args.model)))
+            c = tuned_config(
+                r, searches[r], model=args.model, regime=regime, num_replicas=m
+            )
+            for seed in experiments.SEEDS:
+                loss = experiments.run_one(r, c, seed).final()
+                print(f"{r} M={m} seed {seed}: {loss:.4f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
