@@ -127,3 +127,13 @@ def test_verify_cell_checks_the_retrained_gap_against_the_published_interval(
     assert not verify.verify_cell(cell, seeds=(0, 1), records=records)["passed"]
     with pytest.raises(ValueError, match="no record"):
         verify.verify_cell(cell, seeds=(0, 5), records=records)
+
+
+def test_verify_cli_rejects_k_below_one_and_a_missing_index(tmp_path, capsys):
+    from sdiloco.paper import figures
+
+    assert figures.main(["--verify", "0"]) == 2
+    assert "--verify=0; must be >= 1" in capsys.readouterr().err
+    assert figures.main(["--verify", "1", "--out", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "records.json" in err and "render the notebooks first" in err
