@@ -13,7 +13,11 @@ service, so the numbers are tested here and the processes in `test_elastic.py`.
   when the peer it chose dies or comes back.
 """
 
+import ast
+import pathlib
+import socket
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -31,8 +35,9 @@ from hypothesis import given, settings, strategies as st
 
 import sdiloco
 from sdiloco import distributed
-from sdiloco.distributed import board as board_lib
-from sdiloco.distributed.board import Board, BoardError, BoardPosted, HealRouter
+from sdiloco.distributed import board as board_lib, net
+from sdiloco.distributed.board import Board, BoardError, BoardPosted
+from sdiloco.distributed.coordinator import BoardServer, Coordinator, HealRouter
 
 
 M = 3
@@ -178,10 +183,10 @@ def test_bad_input():
         two.step(two.init(params), toy_batches(jr.key(6), steps=1, replicas=2)[0])
 
 
-class DictBoard(Board):
-    """The coordinator's view of the board's keys, in a dict (no service)."""
+class DictBoard:
+    """The coordinator's view of the board's keys, in a dict (no server)."""
 
-    def __init__(self):  # pyright: ignore[reportMissingSuperCall]
+    def __init__(self):
         self.kv: dict[str, bytes] = {}
 
     def put(self, key, value):
@@ -191,17 +196,22 @@ class DictBoard(Board):
         return self.kv.get(key)
 
     def delete(self, key):
-        self.kv.pop(key, None)
+        for k in [k for k in self.kv if k == key or k.startswith(key + "/")]:
+            del self.kv[k]
+
+    def items(self, prefix):
+        return [(k, v) for k, v in self.kv.items() if k.startswith(prefix)]
 
     def keys(self, prefix):
-        return [k for k in self.kv if k.startswith(prefix)]
+        return [k for k, _ in self.items(prefix)]
 
     def served(self):
-        """peer -> asker of every request routed and not yet taken."""
+        """peer -> asker of every request routed to a peer (its mail `serve`) and
+        not yet read by it."""
         return {
-            int(k.rsplit("/", 1)[1]): int(v.decode().split(":")[0])
+            int(k.split("/")[1]): int(v.decode().split(":")[0])
             for k, v in self.kv.items()
-            if k.startswith("heal/serve/")
+            if k.startswith("to/") and k.endswith("/serve")
         }
 
 
@@ -243,10 +253,13 @@ def test_two_islands_restarted_at_once_both_heal_from_the_survivor():
     assert board.served() == {0: 1}  # never to each other; island 0 one at a time
     route(board, live, recent)
     assert board.served() == {0: 1}  # 2 waits while 0 serves 1
-    board.delete("heal/serve/0")  # island 0 takes the request between two steps
+    board.delete("to/0/serve")  # island 0 reads its mail between two steps ...
+    route(board, live, recent)
+    assert board.served() == {}  # ... and serves island 1, which has not got it yet
+    board.put("heal/got/1/a", b"1")  # island 1 got the state: island 0 is free
     route(board, live, recent)
     assert board.served() == {0: 2}
-    assert board.try_get("heal/serve/0") == b"2:b"
+    assert board.try_get("to/0/serve") == b"2:b"
 
 
 def test_a_request_routed_to_a_peer_that_dies_or_returns_is_routed_again():
@@ -254,24 +267,28 @@ def test_a_request_routed_to_a_peer_that_dies_or_returns_is_routed_again():
     _ask(board, 2, "n")
     route(board, {0, 1}, (1,))  # island 0 was left out of the latest round
     assert board.served() == {1: 2}  # the latest round's member first
-    route(board, {0}, (0,))  # island 1 missed a deadline before it served
-    assert board.served() == {0: 2} and board.try_get("heal/serve/0") == b"2:n"
+    route(board, {0}, (0,))  # island 1 died before it served (or missed a deadline)
+    assert board.served() == {0: 2} and board.try_get("to/0/serve") == b"2:n"
     board2, route2 = DictBoard(), HealRouter()
     _ask(board2, 2, "n")
     route2(board2, {0, 1}, (1,))
     _ask(board2, 1, "m")  # island 1 died and asks for a heal itself
     route2(board2, {0, 1}, (1,))
     assert board2.served() == {0: 1} and board2.keys("heal/want/") == ["heal/want/2"]
+    board3, route3 = DictBoard(), HealRouter()
+    _ask(board3, 2, "n")
+    route3(board3, {0, 1}, (1,))
+    board3.delete("to/1/serve")  # island 1 serves; island 2's fetch then fails,
+    _ask(board3, 2, "n2")  # so it asks again with a new nonce
+    route3(board3, {0, 1}, (1,))
+    assert board3.served() == {1: 2} and board3.try_get("to/1/serve") == b"2:n2"
 
 
-# ------------------------------------------------------------ errors and the runtime
+# ---------------------------------------------------------- the board over TCP
 
 
-def test_the_private_runtime_is_one_function_and_takes_the_boards_arguments():
-    # Every use of JAX's private API goes through `board.runtime`.
-    import ast
-    import pathlib
-
+def test_no_module_imports_private_jax():
+    # The board is the standard library's TCP: nothing of JAX's private API.
     root = pathlib.Path(sdiloco.__file__).parent
     private = []
     for path in root.rglob("*.py"):
@@ -281,57 +298,214 @@ def test_the_private_runtime_is_one_function_and_takes_the_boards_arguments():
                 names = [node.module]
             elif isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
-            if any(n.startswith("jax._src") for n in names):
-                private.append(path.relative_to(root).as_posix())
-    assert private == ["distributed/board.py"], private
-    runtime = board_lib.runtime()
-    client = runtime.get_distributed_runtime_client.__doc__
-    service = runtime.get_distributed_runtime_service.__doc__
-    for arg in ("init_timeout", "heartbeat_timeout", "shutdown_on_destruction"):
-        assert f"{arg}:" in client, arg
-    for arg in ("heartbeat_timeout", "recoverable"):
-        assert f"{arg}:" in service, arg
-    names = {"blocking_key_value_get_bytes", "key_value_set_bytes", "key_value_delete"}
-    assert names <= set(dir(runtime.DistributedRuntimeClient))
+            private += [path.name for n in names if n.startswith("jax._src")]
+    assert private == []
 
 
-class _Failing(Board):
-    """A board whose runtime raises `error` on every call."""
-
-    def __init__(self, error):  # pyright: ignore[reportMissingSuperCall]
-        self.node, self.error = 2, error
-
-    def _fail(self, *args):
-        raise self.error
+@pytest.fixture
+def server():
+    board = BoardServer("127.0.0.1:0", heartbeat_s=2.0)
+    board.linger_s = 0.0
+    yield board
+    board.close()
 
 
-@pytest.mark.parametrize(
-    "error, kind, words",
-    [
-        ("UNAVAILABLE: failed to connect", BoardError, "the board is unreachable"),
-        ("DEADLINE_EXCEEDED: deadline", BoardError, "the board is unreachable"),
-        (
-            "INVALID_ARGUMENT: Protobuf is too large to be serialized",
-            board_lib.BoardProtocolError,
-            "the board refused put 'msg/1-0/2'",
-        ),
-        ("no status at all", board_lib.BoardProtocolError, "the board refused put"),
-    ],
-)
-def test_errors_are_named_for_what_they_are(error, kind, words):
-    board = _Failing(RuntimeError(error))
-    with pytest.raises(BoardError) as caught:
-        board._call("put", "msg/1-0/2", board._fail)
-    assert type(caught.value) is kind
-    assert words in str(caught.value) and "node 2" in str(caught.value)
-    if kind is board_lib.BoardProtocolError:
-        assert "unreachable" not in str(caught.value)
+def _client(server, node, **kw):
+    address = "127.0.0.1:" + server.address.rsplit(":", 1)[1]
+    return Board(address, node, **{"heartbeat_s": 2.0, **kw})
+
+
+def test_values_larger_than_a_chunk_cross_whole(server):
+    sender, reader = _client(server, 1, chunk_bytes=1024), _client(server, 2)
+    message = np.random.default_rng(0).integers(0, 256, 100_003, np.uint8)
+    try:
+        sender.put("msg/3-1/0", message)  # ~98 chunks of 1 KiB
+        got = reader.get("msg/3-1/0", timeout_s=5.0)
+        assert np.array_equal(np.frombuffer(got, np.uint8), message)
+        assert reader.keys("msg/") == ["msg/3-1/0"]
+        reader.delete("msg/3-1")
+        assert reader.try_get("msg/3-1/0") is None
+        assert server.live() == {0, 1}  # replica m is node m + 1
+    finally:
+        sender.close()
+        reader.close()
+
+
+def test_errors_are_named_for_what_they_are(server):
+    board = _client(server, 1, heartbeat_s=1.0)
+    with pytest.raises(BoardError, match="'members/1-0' not on the board within 0.3"):
+        board.get("members/1-0", timeout_s=0.3)
+    depot = net.Depot("127.0.0.1")
+    refused = Board(depot.address, 2, heartbeat_s=1.0)  # read-only: a protocol error
+    with pytest.raises(board_lib.BoardProtocolError) as error:
+        refused.put("msg/1-0/1", b"x")
+    assert "refused put 'msg/1-0/1'" in str(error.value)
+    assert "read-only" in str(error.value) and "lost" not in str(error.value)
+    refused.close()
+    depot.close()
+    server._server.close()  # the coordinator is gone
+    start = time.monotonic()
+    with pytest.raises(board_lib.BoardLost) as lost:
+        board.put("arrived/1-0/0", b"1")
+    assert 0.9 < time.monotonic() - start < 5
+    line = str(lost.value)
+    assert "lost the board" in line and "start the same command again" in line
+    assert len(line.splitlines()) == 1
+    board.close()
 
 
 def test_malformed_values_are_protocol_errors_naming_the_key():
     with pytest.raises(board_lib.BoardProtocolError, match="'members/4-1' holds"):
         board_lib._ints(b"0,x", "members/4-1")
+    with pytest.raises(board_lib.BoardProtocolError, match="a heal request b'garb"):
+        board_lib.serve_heal(DictBoard(), net.Depot("127.0.0.1"), b"garbage", {})
+
+
+def _serve_when_asked(board, depot, state, stop):
+    """An island's loop, reduced to its mail: serve every heal it is asked for."""
+    while not stop.is_set():
+        mail = board.take_mail()
+        if "serve" in mail:
+            board_lib.serve_heal(board, depot, mail["serve"], state)
+        time.sleep(0.02)
+
+
+def _heal_job(server, states, chunk):
+    """Islands 0 ... n-1 serving `states`, and a router thread: `(boards, depots,
+    stop)`."""
+    boards = [_client(server, m + 1, mailbox=f"to/{m}/") for m in range(len(states))]
+    depots = [net.Depot("127.0.0.1", chunk_bytes=chunk) for _ in states]
+    stop = threading.Event()
+    route = HealRouter()
+
+    def router():
+        while not stop.is_set():
+            route(server, server.live() - {len(states)}, (0,))
+            time.sleep(0.01)
+
+    threads = [threading.Thread(target=router, daemon=True)] + [
+        threading.Thread(target=_serve_when_asked, args=(b, d, s, stop), daemon=True)
+        for b, d, s in zip(boards, depots, states)
+    ]
+    for t in threads:
+        t.start()
+    return boards, depots, stop
+
+
+def test_a_heal_larger_than_a_chunk_crosses_from_the_peer(server):
+    state = {"w": np.arange(30_000, dtype=np.float32), "step": np.array(7)}
+    (peer,), depots, stop = _heal_job(server, [state], chunk=1024)
+    asker = _client(server, 2, chunk_bytes=1024)
+    try:
+        template = jax.tree.map(np.zeros_like, state)
+        healed, size = board_lib.request_heal(asker, 1, template, timeout_s=20.0)
+        assert size > 100 * 1024  # more than a hundred chunks
+        assert_trees_equal(healed, state)
+        assert server.keys("heal/") == []  # the request and its answer are gone
+    finally:
+        stop.set()
+        for b in (peer, asker):
+            b.close()
+        depots[0].close()
+
+
+def test_a_heal_is_routed_again_as_soon_as_its_peer_is_gone(server):
+    states = [{"w": np.full(8, float(m), np.float32)} for m in range(2)]
+    boards, depots, stop = _heal_job(server, states, chunk=1024)
+    boards[0].mailbox = "nobody/"  # island 0 never reads its mail: it is dying
+    asker = _client(server, 3)
+    try:
+        result = {}
+        thread = threading.Thread(
+            target=lambda: result.update(
+                zip("sb", board_lib.request_heal(asker, 2, states[0], timeout_s=30.0))
+            )
+        )
+        start = time.monotonic()
+        thread.start()
+        deadline = time.monotonic() + 10
+        while server.try_get("to/0/serve") is None and time.monotonic() < deadline:
+            time.sleep(0.01)  # routed to island 0, the latest round's member
+        boards[0].close()  # its process ends: its connections close
+        thread.join(timeout=30)
+        assert np.array_equal(result["s"]["w"], states[1]["w"])  # served by island 1
+        assert time.monotonic() - start < 5  # not a grace window or a heartbeat later
+    finally:
+        stop.set()
+        for b in [*boards, asker]:
+            b.close()
+        for d in depots:
+            d.close()
+
+
+def test_a_failed_heal_transfer_leaves_the_depot_serving():
+    depot = net.Depot("127.0.0.1", chunk_bytes=1024)
+    blob = np.arange(1 << 20, dtype=np.uint8)
+    depot.offer("heal/2/1", blob)
+    host, port = net.split_address(depot.address)
+    for _ in range(3):  # a peer that asks, reads a little, and dies
+        sock = socket.create_connection((host, port))
+        key = b"heal/2/1"
+        sock.sendall(net._REQUEST.pack(net.GET, 0.0, len(key), 0) + key)
+        sock.recv(100)
+        sock.close()
+    got = net.fetch(depot.address, "heal/2/1", chunk_bytes=4096)
+    assert got is not None and np.array_equal(np.frombuffer(got, np.uint8), blob)
+    depot.close()
+
+
+# ---------------------------------------------------------------- the coordinator
+
+
+def _coordinator(grace=4.0):
     board = DictBoard()
-    board.put("heal/serve/0", b"garbage")
-    with pytest.raises(board_lib.BoardProtocolError, match="heal/serve/0 holds"):
-        board_lib.serve_heals(board, 0, {"x": np.zeros(2)})
+    c = Coordinator(board, 3, grace_s=grace, start_s=0.0)
+    for m in range(3):
+        board.put(f"hello/{m}", b"1")
+    c.greet()
+    return board, c
+
+
+def _arrive(board, name, *ms):
+    for m in ms:
+        board.put(f"arrived/{name}/{m}", b"1")
+
+
+def test_a_late_island_is_waited_for_again_only_when_about_one_round_behind():
+    board, c = _coordinator(grace=4.0)
+    _arrive(board, "6-0", 0, 2)
+    c.decide(now=0.0)
+    assert "members/6-0" not in board.kv  # waits for island 1
+    c.decide(now=4.1)  # the grace deadline: on without it
+    assert board.kv["members/6-0"] == b"0,2" and c.expected == {0, 2}
+    _arrive(board, "6-0", 1)  # late by 0.9 s: it is about one round behind
+    c.decide(now=5.0)
+    assert c.expected == {0, 1, 2} and "to/1/behind" not in board.kv
+    _arrive(board, "8-0", 0, 2)
+    c.decide(now=5.1)
+    c.decide(now=9.2)  # it did not make it after all: one more deadline
+    assert c.decisions[-1].timed_out and c.expected == {0, 2}
+    _arrive(board, "8-0", 1)  # late by 4.1 s >= grace: behind, told to heal
+    c.decide(now=13.3)
+    assert c.expected == {0, 2} and board.kv["to/1/behind"] == b"4.1"
+    _arrive(board, "10-0", 0, 2)
+    c.decide(now=13.4)  # no second grace window: decided at once
+    assert board.kv["members/10-0"] == b"0,2" and not c.decisions[-1].timed_out
+    board.put("hello/1", b"1")  # it healed from a peer and said hello
+    c.greet()
+    assert c.expected == {0, 1, 2}
+
+
+def test_the_coordinator_frees_a_rounds_messages_once_every_member_read_them():
+    board, c = _coordinator()
+    _arrive(board, "6-0", 0, 1, 2)
+    for m in range(3):
+        board.put(f"msg/6-0/{m}", b"x")
+    c.decide(now=0.0)
+    for m in (0, 1):
+        board.put(f"got/6-0/{m}", b"1")
+    c.collect(now=0.1)
+    assert len(board.keys("msg/6-0/")) == 3
+    board.put("got/6-0/2", b"1")
+    c.collect(now=0.2)
+    assert board.keys("msg/") == [] and board.keys("got/") == []

@@ -322,3 +322,77 @@ def test_the_step_file_is_replaced_whole(tmp_path):
     elastic_lib._write(tmp_path, "island-0.step", "7")
     assert (tmp_path / "island-0.step").read_text() == "7"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["island-0.step"]
+
+
+@pytest.mark.multiprocess
+def test_a_pause_shorter_than_the_heartbeat_is_ridden_out(tmp_path):
+    # Island 1 stopped (SIGSTOP) for 8 s under a 10 s heartbeat: its process goes on
+    # after SIGCONT. The others go on without it after one grace window, and wait
+    # for it again once it has caught up (it is about 3 s behind, less than the
+    # grace window), so no round after it waits out a second window.
+    steps, grace, stop_at, pause = 1200, 5.0, 60, 8.0
+    coordinator, islands, _ = _job(
+        tmp_path, steps, grace=grace, board_flags=["--heartbeat=10"]
+    )
+    procs = [coordinator, *islands]
+    try:
+        deadline = time.monotonic() + 300
+        while _step(tmp_path, 1) < stop_at and time.monotonic() < deadline:
+            assert all(p.poll() is None for p in procs)
+            time.sleep(0.05)
+        islands[1].send_signal(signal.SIGSTOP)
+        time.sleep(pause)
+        islands[1].send_signal(signal.SIGCONT)
+        outputs = finish_processes(procs, timeout=600)  # every process ends well
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    assert "Check failure" not in outputs[2] and "Traceback" not in outputs[2]
+    # The rounds sent from the pause on (a busy machine's unequal start-up may time
+    # out a first round): one grace window, then island 1 takes part again.
+    decisions = [
+        d
+        for d in _summary(tmp_path, "coordinator.json")
+        if int(d["round"].split("-")[0]) >= stop_at
+    ]
+    late = [d for d in decisions if d["timed_out"]]
+    assert len(late) == 1 and late[0]["members"] == [0, 2], late
+    without = [i for i, d in enumerate(decisions) if 1 not in d["members"]]
+    assert without and decisions[without[0]]["timed_out"]
+    back = decisions[without[-1] + 1 :]
+    assert back and all(d["members"] == [0, 1, 2] for d in back)
+    _assert_survivors_waited_one_grace(tmp_path, grace)
+    _assert_equal_thetas(tmp_path, train.build(_config(steps)).model)
+
+
+@pytest.mark.multiprocess
+def test_an_island_that_loses_the_board_ends_with_one_line(tmp_path):
+    steps, heartbeat = 2400, 3
+    coordinator, islands, _ = _job(
+        tmp_path, steps, grace=4.0, board_flags=[f"--heartbeat={heartbeat}"]
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while _step(tmp_path, 0) < 30 and time.monotonic() < deadline:
+            assert all(p.poll() is None for p in [coordinator, *islands])
+            time.sleep(0.05)
+        coordinator.kill()  # the board is gone
+        coordinator.communicate()
+        lost = time.monotonic()
+        outputs = [p.communicate(timeout=60)[0] for p in islands]
+        took = time.monotonic() - lost
+    finally:
+        for p in [coordinator, *islands]:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    assert heartbeat - 1 < took < heartbeat + 30
+    for m, (p, out) in enumerate(zip(islands, outputs)):
+        assert p.returncode == 1, out[-3000:]
+        last = out.strip().splitlines()[-1]
+        assert last.startswith(f"error: island {m}: lost the board at "), last
+        assert last.endswith("start the same command again to heal"), last
+        for trace in ("Check failure", "Traceback", "*** ", "@ 0x"):
+            assert trace not in out, out[-3000:]

@@ -9,14 +9,24 @@ One concept per module:
 - `courier`: the exchange overlapped with the next τ inner steps (`posted_exchange`,
   `Courier`, `courier_meshes`);
 - `hlo`: reading a compiled program's collectives and the bytes on the wire;
+- `net`: bytes between the programs of an elastic job: a key-value store served
+  over TCP (the standard library), values of any size;
 - `board`: replica islands that fail and rejoin (`Board`, `board_exchange`,
-  `coordinate`, healing from a live peer), the exchange of the elastic job.
+  healing from a live peer), the exchange of the elastic job;
+- `coordinator`: the elastic job's coordinator (`BoardServer`, `Coordinator`:
+  who takes part in each round, heal routing).
 """
 
 from .board import (
     Board as Board,
     BoardError as BoardError,
+    BoardLost as BoardLost,
+    BoardProtocolError as BoardProtocolError,
     board_exchange as board_exchange,
+)
+from .coordinator import (
+    BoardServer as BoardServer,
+    Coordinator as Coordinator,
     coordinate as coordinate,
 )
 from .courier import (

@@ -1,49 +1,49 @@
-"""Replica islands that fail and rejoin: the exchange over a key-value board.
+"""Replica islands that fail and rejoin: the exchange over the job's board.
 
 The SPMD job (`sharded_exchange`, `Courier`) runs one program over every process's
 devices, so one dead process stops it. Here each replica island is a program of its
-own (`num_replicas=1` in its `streaming_diloco`), and the fragments' packed messages
-travel through a key-value store: JAX's coordination service (`Board`), run by a
-**coordinator** process that holds no replica and is started with recoverable tasks,
-so a replica process may die, and start again, without taking the service or the
-other replicas with it.
+own (`num_replicas=1` in its `streaming_diloco`), and the programs meet on a
+**board**: a key-value store served over TCP by a **coordinator** process that holds
+no replica (`coordinator.BoardServer`, `net`), which a replica process may leave (it
+dies) and join again (it is started again) without taking the board or the other
+replicas with it.
 
-One round (one fragment sent at one step), with `board_exchange` as the step's
-`exchange`:
+One round (one fragment sent at one step), named `<sent step>-<fragment>`
+(`round_name`):
 
 1. every replica encodes its own Δ into the packed message of `sharded_exchange`
-   (`Wire`, the simulation's PRNG key of that replica) and posts it under
-   `msg/<round>/<m>`; `<round>` is a digest of the step's exchange key, which every
-   replica derives from the same seed, t and fragment;
-2. the coordinator (`coordinate`) decides the round's **members**: the replicas whose
-   message arrived before every replica it expects has arrived, or before `grace_s`
-   after the first one; it posts them under `members/<round>`;
+   (`Wire`, the simulation's PRNG key of that replica) and posts it
+   (`msg/<round>/<m>`, then `arrived/<round>/<m>`);
+2. the coordinator decides the round's **members**: the replicas whose message
+   arrived before every replica it expects has arrived, or before `grace_s` after
+   the first one; it posts them under `members/<round>`;
 3. every replica reads the members' messages, decodes them and averages them as the
    simulation does (absent replicas as zeros, the mean rescaled to the members:
    `participation.over_senders`), so every survivor's θ_g stays bitwise equal.
 
-A replica that misses a deadline is left out of that round and no longer waited for;
-one whose message arrives after a decision is waited for again from the next round.
-A dead replica therefore stalls the others once, for at most `grace_s`.
+A replica that misses a deadline is left out of that round and no longer waited for
+(`coordinator.Coordinator` says when it is waited for again). A dead replica
+therefore stalls the others once, for at most `grace_s`.
 
-Healing (`request_heal`, `serve_heals`). A replica process started while the job runs
+Healing (`request_heal`, `serve_heal`). A replica process started while the job runs
 asks for the state of a live peer: the coordinator names one, which serialises its
 whole state between two of its steps (θ_g, the outer state, the in-flight averages,
-the step count, its inner optimizer state) and posts it. The returning replica takes
-it, replaces its parameters by θ_g (`heal="copy"` of the simulation) and joins at its
-next send. Its data position follows from the step count.
+the step count, its inner optimizer state) and offers it from its own store (a
+`net.Depot`); the returning replica fetches it from there, replaces its parameters
+by θ_g (`heal="copy"` of the simulation) and joins at its next send. Its data
+position follows from the step count.
 
-The single point of failure is the coordinator: the service lives in it, and a
-replica process whose heartbeats find no service is ended by JAX's runtime after
-`heartbeat_s`. Every other wait on the board is bounded; a round whose members never come raises `BoardError`
-naming the round, the replica and the key, within `timeout_s`.
+The single point of failure is the coordinator: the board lives in it, and a replica
+that cannot reach it for `heartbeat_s` stops with `BoardLost` (one line). Every
+other wait on the board is bounded; a round whose members never come raises
+`BoardError` naming the round, the replica and the key, within `timeout_s`.
 """
 
 import dataclasses
 import hashlib
 import io
+import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
@@ -56,151 +56,228 @@ from jaxtyping import Array, PRNGKeyArray
 from .. import communication, participation
 from ..compression import Compressor
 from ..fragments import Fragments
+from . import net
 from .exchange import assemble, replica_keys
 from .wire import Wire
 
 
 class BoardError(RuntimeError):
-    """A key did not appear on the board in time, or the board is unreachable."""
+    """A key did not appear on the board in time, or the board could not be used."""
 
 
 class BoardProtocolError(BoardError):
-    """The board answered, but not as the protocol says: it refused a request (a
-    value too large, an argument it does not take), or a value read back does not
-    parse. Retrying does not help; the message names the key and what was wrong."""
+    """The board answered, but not as the protocol says: it refused a request, or a
+    value read back does not parse. Retrying does not help; the message names the
+    key and what was wrong."""
 
 
-def runtime() -> Any:
-    """JAX's coordination-service bindings: the one place the board touches JAX's
-    private API.
-
-    `jax.distributed` runs the same service and client, but keeps them in a module
-    global and exposes no handle to their key-value store, nor the `recoverable`
-    option a board needs (a replica process may die and connect again); so the
-    board builds its own from the bindings below. `tests/test_board.py` checks that
-    they still take the arguments the board passes.
-    """
-    from jax._src.lib import _jax  # pyright: ignore[reportPrivateImportUsage]
-
-    return _jax
+class BoardLost(BoardError):
+    """The board could not be reached for longer than the heartbeat: the
+    coordinator is gone, or this process's link has been down that long."""
 
 
 class Board:
-    """A connection to the job's key-value store (JAX's coordination service).
+    """A connection to the job's board: the coordinator's `net.Store`, over TCP.
 
-    Node 0 is the coordinator (`serve=True` starts the service in that process, with
-    recoverable tasks); replica m is node m + 1. Opening blocks until every node has
-    connected the first time (the service's start barrier); a node that connects
-    again later (a restarted replica) does not wait.
+    Replica m is node m + 1 (the coordinator, which serves the board in its own
+    process, is node 0). Every call is one request on a connection of the calling
+    thread, answered in turn; requests are idempotent, so one whose connection
+    failed is sent again on a new one.
+
+    The heartbeat. A background thread asks the board for this node's mail every
+    `beat_s` (the coordinator's requests to it: `mail`), which also tells the
+    board it is alive. Any call that cannot reach the board is tried again until
+    the board has been silent for `heartbeat_s`; then it raises `BoardLost`, and so
+    does `check` once the background thread has seen that. A process stopped
+    (SIGSTOP) or a link down for less than the heartbeat therefore goes on where it
+    was; the board's side of the connection never ends a process. A process that
+    was stopped longer goes on as well if the board answers when it wakes.
 
     Args:
-        address: `host:port` of the service.
-        node: this process's node id, 0 ... num_nodes - 1.
-        num_nodes: M + 1.
-        serve: start the service here (the coordinator).
-        heartbeat_s: seconds without a heartbeat after which the service counts a
-            node as gone.
-        connect_timeout_s: how long opening waits for the other nodes.
+        address: `host:port` of the coordinator's board.
+        node: this process's node id.
+        heartbeat_s: how long the board may be out of reach before calls give up.
+        connect_timeout_s: how long opening waits for the board to be up (the
+            coordinator may start after the islands).
+        mailbox: the key prefix of this node's mail (`to/<m>/`), or None.
+        chunk_bytes: bytes per chunk of a value on the wire (`net.CHUNK`).
+        name: who this is, in errors (default `node <node>`).
     """
 
     def __init__(
         self,
         address: str,
         node: int,
-        num_nodes: int,
         *,
-        serve: bool = False,
-        heartbeat_s: int = 10,
-        connect_timeout_s: int = 300,
+        heartbeat_s: float = 10.0,
+        connect_timeout_s: float = 300.0,
+        mailbox: str | None = None,
+        chunk_bytes: int = net.CHUNK,
+        name: str | None = None,
     ):
-        _jax = runtime()
-        if not 0 <= node < num_nodes:
-            raise ValueError(f"node={node}; allowed: 0 ... {num_nodes - 1}.")
-        self.node, self.num_nodes = node, num_nodes
-        self.linger_s = 2.0
-        self._service = None
-        if serve:
-            self._service = _jax.get_distributed_runtime_service(
-                address, num_nodes, heartbeat_timeout=heartbeat_s, recoverable=True
-            )
-        self._client = _jax.get_distributed_runtime_client(
-            address,
-            node,
-            init_timeout=connect_timeout_s,
-            heartbeat_timeout=heartbeat_s,
-            shutdown_on_destruction=False,
+        net.split_address(address)  # a ValueError naming it
+        self.address, self.node, self.heartbeat_s = address, node, heartbeat_s
+        self.name = f"node {node}" if name is None else name
+        self.chunk, self.mailbox = chunk_bytes, mailbox
+        self.progress_s = min(5.0, max(0.5, heartbeat_s / 2))
+        self.beat_s = 0.1 if mailbox else max(0.1, heartbeat_s / 4)
+        self.last_ok = time.monotonic()
+        self.lost: BoardLost | None = None
+        self.mail: dict[str, bytes] = {}
+        self._local = threading.local()
+        self._conns: list[net.Connection] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._open(connect_timeout_s)
+        self._beat = threading.Thread(
+            target=self._beats, name="sdiloco-board-beat", daemon=True
         )
-        try:
-            self._client.connect()
-        except Exception as e:  # noqa: BLE001 - the runtime raises its own types
-            raise BoardError(
-                f"node {node} could not connect to the board at {address} within "
-                f"{connect_timeout_s} s: {e}"
-            ) from None
+        self._beat.start()
 
-    def put(self, key: str, value: bytes) -> None:
-        self._call("put", key, self._client.key_value_set_bytes, key, value, True)
+    def put(self, key: str, value: Any) -> None:
+        self._request("put", net.PUT, key, value)
 
-    def get(self, key: str, timeout_s: float) -> bytes:
+    def get(self, key: str, timeout_s: float) -> bytearray:
         """The value of `key`, waiting at most `timeout_s` for it to be posted."""
-        try:
-            return self._client.blocking_key_value_get_bytes(
-                key, max(1, int(timeout_s * 1000))
-            )
-        except Exception as e:  # noqa: BLE001 - the runtime raises its own types
-            if _status(e) != "DEADLINE_EXCEEDED":
-                raise self._failure("get", key, e) from None
-            raise BoardError(
-                f"node {self.node}: {key!r} not on the board within {timeout_s:g} s "
-                f"({_cause(e)})"
-            ) from None
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            wait = max(0.0, min(left, self.progress_s))
+            status, value = self._request("get", net.GET, key, b"", wait)
+            if status == net.OK:
+                return value
+            if left <= wait:
+                raise BoardError(
+                    f"{self.name}: {key!r} not on the board within {timeout_s:g} s"
+                )
 
     def try_get(self, key: str) -> bytes | None:
         """The value of `key`, or None if it is not on the board (now)."""
-        try:
-            return self._client.key_value_try_get_bytes(key)
-        except Exception as e:  # noqa: BLE001 - the runtime raises its own types
-            if _status(e) == "NOT_FOUND":
-                return None
-            raise self._failure("get", key, e) from None
+        status, value = self._request("get", net.GET, key)
+        return bytes(value) if status == net.OK else None
+
+    def items(self, prefix: str) -> list[tuple[str, bytes]]:
+        """Every key under `prefix`, with its value."""
+        return net.decode_items(self._request("list", net.ITEMS, prefix)[1])
 
     def keys(self, prefix: str) -> list[str]:
         """Every key under the directory `prefix` (ending in `/`)."""
-        pairs = self._call("list", prefix, self._client.key_value_dir_get_bytes, prefix)
-        return [k for k, _ in pairs]
+        return [k for k, _ in self.items(prefix)]
 
     def delete(self, key: str) -> None:
-        """Delete `key`, or every key under it when it is a directory."""
-        self._call("delete", key, self._client.key_value_delete, key)
+        """Delete `key`, and every key under it."""
+        self._request("delete", net.DELETE, key)
 
-    def _call(self, what: str, key: str, fn: Callable[..., Any], *args: Any) -> Any:
-        try:
-            return fn(*args)
-        except Exception as e:  # noqa: BLE001 - the runtime raises its own types
-            raise self._failure(what, key, e) from None
+    def check(self) -> None:
+        """Raise `BoardLost` if the heartbeat found the board gone."""
+        if self.lost is not None:
+            raise self.lost
 
-    def _failure(self, what: str, key: str, e: Exception) -> BoardError:
-        """The runtime's error as what it is: the board out of reach (the service
-        gone, the link down, a call past its deadline), or a request the board
-        refused (a `BoardProtocolError`)."""
-        if _status(e) in _UNREACHABLE:
-            return BoardError(
-                f"node {self.node}: {what} {key!r} failed, the board is unreachable "
-                f"({_cause(e)})"
-            )
-        return BoardProtocolError(
-            f"node {self.node}: the board refused {what} {key!r} ({_cause(e)})"
-        )
+    def take_mail(self) -> dict[str, bytes]:
+        """The mail received since the last call (key without the prefix: value)."""
+        with self._lock:
+            mail, self.mail = self.mail, {}
+        return mail
+
+    def local_host(self) -> str:
+        """This process's address as the board sees it (where peers reach it)."""
+        return self._conn().sock.getsockname()[0]
 
     def close(self) -> None:
-        """Leave the board (the coordinator also stops the service, after the
-        islands had `linger_s` to leave)."""
-        try:
-            self._client.shutdown()
-        finally:
-            if self._service is not None:
-                time.sleep(self.linger_s)
-                self._service.shutdown()
+        """Stop the heartbeat and close every connection."""
+        self._stop.set()
+        self._beat.join(timeout=self.progress_s + 1)
+        with self._lock:
+            for conn in self._conns:
+                conn.close()
+            self._conns.clear()
+
+    # ------------------------------------------------------------------ helpers
+
+    def _open(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self._conn()
+                return
+            except OSError as e:
+                if time.monotonic() > deadline:
+                    raise BoardError(
+                        f"{self.name} could not connect to the board at "
+                        f"{self.address} within {timeout_s:g} s ({_cause(e)})"
+                    ) from None
+                time.sleep(0.2)
+
+    def _conn(self) -> net.Connection:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = net.Connection(
+                self.address,
+                node=self.node,
+                progress_s=self.progress_s,
+                chunk_bytes=self.chunk,
+            )
+            self._local.conn = conn
+            with self._lock:
+                self._conns.append(conn)
+        return conn
+
+    def _request(
+        self, what: str, op: int, key: str, value: Any = b"", wait_s: float = 0.0
+    ) -> tuple[int, bytearray]:
+        """One request, sent again on a new connection until it is answered or the
+        board has been out of reach for the heartbeat (`BoardLost`)."""
+        while True:
+            try:
+                reply = self._conn().request(op, key, value, wait_s)
+            except net.RequestRefused as e:
+                raise BoardProtocolError(
+                    f"{self.name}: the board refused {what} {key!r} ({e})"
+                ) from None
+            except OSError as e:
+                self._reconnect(e)
+                continue
+            self.last_ok = time.monotonic()
+            return reply
+
+    def _reconnect(self, error: Exception) -> None:
+        """After a failed request: a new connection, tried until the board has been
+        silent for `heartbeat_s` (then `BoardLost`)."""
+        conn = getattr(self._local, "conn", None)
+        self._local.conn = None
+        if conn is not None:
+            conn.close()
+        while True:
+            try:
+                self._conn()
+                return
+            except OSError as e:
+                error = e
+            silent = time.monotonic() - self.last_ok
+            if silent > self.heartbeat_s or self._stop.is_set():
+                self.lost = BoardLost(
+                    f"{self.name}: lost the board at {self.address} for "
+                    f"{silent:.0f} s (heartbeat {self.heartbeat_s:g} s, "
+                    f"{_cause(error)}); start the same command again to heal"
+                )
+                raise self.lost
+            time.sleep(0.2)
+
+    def _beats(self) -> None:
+        """The heartbeat: fetch this node's mail (and so say it is alive)."""
+        while not self._stop.wait(self.beat_s):
+            try:
+                if self.mailbox is None:
+                    self._request("beat", net.GET, "beat/")
+                    continue
+                for key, value in self.items(self.mailbox):
+                    with self._lock:
+                        self.mail[key.removeprefix(self.mailbox)] = value
+                    self.delete(key)
+            except BoardLost:
+                return  # `check` raises it in the training loop
+            except BoardProtocolError:
+                continue  # a reply that did not parse: the next beat asks again
 
 
 # --------------------------------------------------------------- the replica's side
@@ -227,7 +304,7 @@ class BoardExchange:
     """
 
     def __init__(
-        self, board: Board, replica: int, num_replicas: int, *, timeout_s: float = 120
+        self, board: Board, replica: int, num_replicas: int, *, timeout_s: float = 120.0
     ):
         _check_replica(replica, num_replicas)
         self.board, self.replica, self.num_replicas = board, replica, num_replicas
@@ -436,7 +513,7 @@ def _mean_over_members(
 
 
 def board_exchange(
-    board: Board, replica: int, num_replicas: int, *, timeout_s: float = 120
+    board: Board, replica: int, num_replicas: int, *, timeout_s: float = 120.0
 ) -> BoardExchange:
     """The exchange of replica island `replica` of `num_replicas` over `board`."""
     return BoardExchange(board, replica, num_replicas, timeout_s=timeout_s)
@@ -450,184 +527,56 @@ def request_heal(
 ) -> tuple[Any, int]:
     """A live peer's state, for a replica that comes back (see the module).
 
-    Posts the request, waits (at most `timeout_s`) for the state a peer serialised,
-    and reads it into the structure of `template` (a state of the same algorithm).
+    Posts the request (`heal/want/<m>`), waits (at most `timeout_s` in all) for the
+    peer the coordinator chose to offer its state, fetches it from that peer's
+    depot, and reads it into the structure of `template` (a state of the same
+    algorithm). A fetch that fails (the peer died meanwhile) asks again at once.
     Returns `(state, bytes received)`.
     """
-    nonce = f"{time.time_ns()}"
-    board.put(f"heal/want/{replica}", nonce.encode())
-    key = f"heal/state/{replica}/{nonce}"
-    blob = board.get(key, timeout_s)
-    board.delete(key)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        nonce = f"{time.time_ns()}"
+        board.put(f"heal/want/{replica}", nonce.encode())
+        ready = f"heal/ready/{replica}/{nonce}"
+        where = board.get(ready, max(0.0, deadline - time.monotonic()))
+        board.delete(ready)
+        try:
+            blob = net.fetch(
+                bytes(where).decode(),
+                f"heal/{replica}/{nonce}",
+                progress_s=board.progress_s,
+                chunk_bytes=board.chunk,
+            )
+        except OSError:
+            blob = None  # the peer is gone: ask again
+        if blob is not None:
+            break
+    board.put(f"heal/got/{replica}/{nonce}", b"1")
     try:
         state = eqx.tree_deserialise_leaves(io.BytesIO(blob), _host(template))
     except (RuntimeError, ValueError, TypeError, EOFError) as e:
         raise BoardProtocolError(
-            f"{key!r}: {len(blob)} bytes that are not a state of this run ({e}); "
-            "allowed: a peer of the same run (the same flags on every island)."
+            f"heal/{replica}/{nonce}: {len(blob)} bytes that are not a state of this "
+            f"run ({e}); allowed: a peer of the same run (the same flags everywhere)."
         ) from None
     return state, len(blob)
 
 
-def serve_heals(board: Board, replica: int, state: Any) -> int:
-    """If the coordinator asked this replica to heal a peer, post `state` for it.
-
-    Call between steps (the state is read, not donated). Returns the bytes posted
-    (0 when nobody asked).
-    """
-    ask = board.try_get(f"heal/serve/{replica}")
-    if ask is None:
-        return 0
-    board.delete(f"heal/serve/{replica}")
-    peer, _, nonce = ask.decode(errors="replace").partition(":")
+def serve_heal(board: Any, depot: net.Depot, ask: bytes, state: Any) -> int:
+    """Offer `state` to the peer that `ask` (`"<replica>:<nonce>"`, the mail
+    `serve` from the coordinator) names: serialised now (call it between steps;
+    the state is read, not donated), sent from the depot's thread when the peer
+    fetches it. Returns the bytes offered."""
+    peer, _, nonce = bytes(ask).decode(errors="replace").partition(":")
     if not peer.isdigit() or not nonce:
         raise BoardProtocolError(
-            f"heal/serve/{replica} holds {ask[:40]!r}; allowed: '<replica>:<nonce>'."
+            f"a heal request {bytes(ask)[:40]!r}; allowed: '<replica>:<nonce>'."
         )
     buffer = io.BytesIO()
     eqx.tree_serialise_leaves(buffer, _host(state))
-    board.put(f"heal/state/{peer}/{nonce}", buffer.getvalue())
-    return len(buffer.getvalue())
-
-
-# ------------------------------------------------------------------ the coordinator
-
-
-@dataclasses.dataclass
-class Decision:
-    """One round as the coordinator decided it."""
-
-    round: str
-    members: tuple[int, ...]
-    waited_s: float  # from the first message to the decision
-    timed_out: bool  # decided at the grace deadline (an expected replica missing)
-
-
-def coordinate(
-    board: Board,
-    num_replicas: int,
-    *,
-    grace_s: float,
-    stop: Callable[[], bool],
-    start_s: float = 300.0,
-    poll_s: float = 0.005,
-    keep_s: float = 60.0,
-) -> list[Decision]:
-    """The coordinator's loop: decide every round's members, route heal requests.
-
-    Runs until every island it expects has posted `done/<m>`, or `stop()` is true.
-    A round's members are the replicas whose message has arrived when every
-    expected replica has, or `grace_s` after the first message.
-    Expected: every replica at the start; one that misses a deadline is not waited
-    for until its message arrives again (late, or after it healed and said hello).
-    No round is decided before every island has said hello (it has compiled its
-    step and is about to train) or `start_s` has passed, so that the islands' unequal
-    start-up is not taken for a failure. Messages of decided rounds are deleted
-    `keep_s` later.
-
-    Returns:
-        The decisions, in the order they were made.
-    """
-    expected = set(range(num_replicas))
-    first: dict[str, float] = {}
-    decided: dict[str, float] = {}
-    decisions: list[Decision] = []
-    began, greeted = time.perf_counter(), set()
-    route, recent = HealRouter(), ()
-    while not stop():
-        time.sleep(poll_s)
-        now = time.perf_counter()
-        done = {int(k.rsplit("/", 1)[1]) for k in board.keys("done/")}
-        if done and expected <= done:  # every live island has finished
-            break
-        for key in board.keys("hello/"):
-            greeted.add(int(key.rsplit("/", 1)[1]))
-            expected.add(int(key.rsplit("/", 1)[1]))
-            board.delete(key)
-        route(board, expected, recent)
-        if len(greeted) < num_replicas and now - began < start_s:
-            continue  # still starting
-        for name, arrived in _arrivals(board).items():
-            if name in decided:  # late: alive, wait for it from the next round
-                expected |= arrived
-                board.delete(f"arrived/{name}")
-                continue
-            first.setdefault(name, now)
-            timed_out = now - first[name] >= grace_s
-            if expected <= arrived or timed_out:
-                members = tuple(sorted(arrived))
-                board.put(f"members/{name}", _bytes(members))
-                board.delete(f"arrived/{name}")
-                if timed_out:
-                    expected = set(arrived)
-                decided[name], recent = now, members
-                decisions.append(Decision(name, members, now - first[name], timed_out))
-        for name, at in list(decided.items()):
-            if now - at > keep_s and at > 0:
-                board.delete(f"msg/{name}")
-                board.delete(f"members/{name}")
-                decided[name] = -1.0  # remembered, so that late arrivals are known
-    return decisions
-
-
-class HealRouter:
-    """The coordinator's routing of heal requests (`request_heal`) to live peers.
-
-    A request goes to a peer that is live (in the coordinator's expected set), is
-    not itself waiting for a heal and is not serving another request; members of
-    the latest decided round come first (they are training now). Two islands
-    restarted at once are therefore never routed to each other, and a peer serves
-    one request at a time. A request routed to a peer that then leaves the live set
-    (it missed a deadline: it died before it served) or asks for a heal itself (it
-    died and came back) is routed again.
-    """
-
-    def __init__(self):
-        self.routed: dict[int, tuple[int, str]] = {}  # peer -> (asker, nonce)
-
-    def __call__(
-        self, board: "Board", live: set[int], recent: tuple[int, ...] = ()
-    ) -> None:
-        askers = {int(k.rsplit("/", 1)[1]) for k in board.keys("heal/want/")}
-        for peer, (asker, nonce) in list(self.routed.items()):
-            if board.try_get(f"heal/serve/{peer}") is None:  # the peer took it
-                del self.routed[peer]
-            elif peer not in live or peer in askers:  # it died, or came back
-                board.delete(f"heal/serve/{peer}")
-                del self.routed[peer]
-                if asker not in askers:  # ask again (a newer request stands)
-                    board.put(f"heal/want/{asker}", nonce.encode())
-                    askers.add(asker)
-        busy = askers | set(self.routed) | {a for a, _ in self.routed.values()}
-        for asker in sorted(askers):
-            nonce = board.try_get(f"heal/want/{asker}")
-            peers = sorted(live - busy, key=lambda p: (p not in recent, p))
-            if nonce is None or not peers:
-                continue  # asked again later, or when a peer is free
-            board.delete(f"heal/want/{asker}")
-            board.put(f"heal/serve/{peers[0]}", f"{asker}:{nonce.decode()}".encode())
-            self.routed[peers[0]] = (asker, nonce.decode())
-            busy.add(peers[0])
-
-
-def _arrivals(board: Board) -> dict[str, set[int]]:
-    out: dict[str, set[int]] = {}
-    for key in board.keys("arrived/"):
-        _, name, m = key.split("/")
-        out.setdefault(name, set()).add(int(m))
-    return out
-
-
-_UNREACHABLE = {"UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED", "ABORTED"}
-"""The runtime's status codes that mean the service is out of reach, not that it
-refused the request."""
-
-
-def _status(e: Exception) -> str:
-    """The runtime's status code at the head of its message (`"NOT_FOUND: ..."`),
-    or "" when there is none."""
-    head = str(e).split(":", 1)[0].strip()
-    return head if head.isupper() and head.replace("_", "").isalpha() else ""
+    depot.offer(f"heal/{peer}/{nonce}", buffer.getbuffer())
+    board.put(f"heal/ready/{peer}/{nonce}", depot.address.encode())
+    return buffer.getbuffer().nbytes
 
 
 def _cause(e: Exception) -> str:
@@ -635,11 +584,7 @@ def _cause(e: Exception) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
 
 
-def _bytes(members: tuple[int, ...]) -> bytes:
-    return ",".join(map(str, members)).encode()
-
-
-def _ints(blob: bytes, key: str) -> list[int]:
+def _ints(blob: bytes | bytearray, key: str) -> list[int]:
     """The replicas listed in `blob` (`_bytes`), or a `BoardProtocolError`."""
     try:
         return [int(x) for x in blob.decode().split(",") if x]

@@ -36,16 +36,19 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
+from ..distributed import net
 from ..distributed.board import (
     Board,
+    BoardError,
     BoardExchange,
+    BoardLost,
     BoardPosted,
     BoardTransport,
-    coordinate,
     request_heal,
-    serve_heals,
+    serve_heal,
 )
-from ..distributed.courier import Courier
+from ..distributed.coordinator import BoardServer, Coordinator
+from ..distributed.courier import Courier, CourierError
 from ..jit import jit_step
 from ..streaming import adopt_global
 from . import data as data_lib, train
@@ -124,84 +127,146 @@ def island(
     """Train island `replica` of `config` on the board; returns its summary.
 
     The summary: the final held-out evaluation of θ_g, whether it healed (and the
-    seconds and bytes that took), the seconds from its start until its programs
-    were compiled or loaded (`ready_s`), the steps it trained, each round it took part in
-    (seconds waited, members) and the bytes it served to heal peers.
+    seconds and bytes that took, and why), the seconds from its start until its
+    programs were compiled or loaded (`ready_s`), the steps it trained, each round
+    it took part in (seconds waited, members) and the bytes it served to heal peers.
+
+    Raises:
+        BoardError: the board could not be used (`BoardLost`: out of reach for
+            longer than the heartbeat, one line that says to start the same
+            command again), or a wait on it outlasted `options.timeout_s`.
     """
     check_island(config, replica)
-    c, m = config, config.method.num_replicas
     started = time.perf_counter()
     train.enable_compile_cache()  # a restarted island loads its programs
     board = Board(
         options.address,
         replica + 1,
-        m + 1,
-        heartbeat_s=options.heartbeat_s,
-        connect_timeout_s=options.connect_timeout_s,
+        heartbeat_s=float(options.heartbeat_s),
+        connect_timeout_s=float(options.connect_timeout_s),
+        mailbox=f"to/{replica}/",
+        name=f"island {replica}",
     )
-    r, local, batches, step, log = _program(c, replica, board, options)
-    # Every state the step sees has been through the host, as a healed one has, and
-    # is committed to the device: the same types (no weak types), one compile.
-    state = _through_host(r.init_state())
-    _compile(step, _through_host(state), _stack(batches[0]))
-    compiled = time.perf_counter() - started  # or loaded from the cache
-    _say(replica, f"compiled {compiled:.1f} s after start")
-    state, healed = _heal_if_restarted(board, r, replica, state, options)
-    if isinstance(step, Courier):  # its in-flight rounds are the peer's to post
-        cast(BoardTransport, step.transport).quiet_until = int(state.step)
-    board.put(f"joined/{replica}", b"1")
-    board.put(f"hello/{replica}", b"1")
-    first, joined = int(state.step), time.time()
-    with contextlib.ExitStack() as stack:
-        if isinstance(step, Courier):
-            stack.enter_context(step)  # at the end: waits for the last rounds
-        state, served, losses = _train_steps(
-            c, replica, (step, state, batches, log), board, first, out_dir
+    depot = net.Depot(board.local_host())
+    try:
+        return _Island(config, replica, options, board, depot).run(started, out_dir)
+    except CourierError as e:  # a round that failed because the board did
+        if isinstance(e.__cause__, BoardError):
+            raise e.__cause__ from None
+        raise
+    finally:
+        depot.close()
+        board.close()
+
+
+class _Island:
+    """One island's run: its program, its state, and what it does between steps."""
+
+    def __init__(self, config, replica, options, board, depot):
+        self.c, self.replica, self.options = config, replica, options
+        self.board, self.depot = board, depot
+        program = _program(config, replica, board, options)
+        self.r, self.local, self.batches, self.step, self.log = program
+        self.healed: dict[str, Any] = {}
+        self.served = 0
+
+    def run(self, started: float, out_dir) -> dict[str, Any]:
+        """Compile, heal if restarted, train, evaluate θ_g, write the summary."""
+        # Every state the step sees has been through the host, as a healed one has,
+        # and is committed to the device: the same types (no weak types), one compile.
+        state = _through_host(self.r.init_state())
+        _compile(self.step, _through_host(state), _stack(self.batches[0]))
+        compiled = time.perf_counter() - started  # or loaded from the cache
+        _say(self.replica, f"compiled {compiled:.1f} s after start")
+        if self.board.try_get(f"joined/{self.replica}") is not None:
+            state = self.heal(state, "restarted")
+        self.board.put(f"joined/{self.replica}", b"1")
+        self.board.put(f"hello/{self.replica}", b"1")
+        first, joined = int(state.step), time.time()
+        with contextlib.ExitStack() as stack:
+            if isinstance(self.step, Courier):
+                stack.enter_context(self.step)  # at the end: waits for the last rounds
+            state, losses = self.train(state, first, out_dir)
+        jax.block_until_ready(state)
+        trained = time.time() - joined
+        evaluation = train.evaluator(self.r, self.local, Placement.of(1))(state)
+        summary = {
+            "replica": self.replica,
+            "evaluation": evaluation,
+            "healed": self.healed,
+            "first_step": first,
+            "steps": self.c.steps,
+            "seconds": time.perf_counter() - started,
+            "ready_s": compiled,
+            "joined_at": joined,
+            "trained_s": trained,
+            "served_bytes": self.served,
+            "losses": losses,
+            "rounds": [dataclasses.asdict(x) for x in self.log],
+            "global_digest": digest(state.global_params),
+        }
+        _finish(self.board, self.replica, out_dir, summary, state.global_params)
+        return summary
+
+    def train(self, state, first: int, out_dir):
+        """The island's steps from `first` on: a progress bar (as `train`'s, on
+        stderr), the coordinator's mail read between steps, one line when a round
+        leaves a peer out or a peer is back, and the step file. Returns the state
+        and the losses."""
+        c, m = self.c, self.replica
+        members = Membership(c.method.num_replicas)
+        losses = []
+        bar = tqdm(total=c.steps, initial=first, desc=f"island {m}", dynamic_ncols=True)
+        t = first
+        with bar:  # closed before an error's line, which then ends the output
+            while t < c.steps:
+                self.board.check()  # `BoardLost` once the heartbeat found it gone
+                state, metrics = self.step(state, _stack(self.batches[t]))
+                state, moved = self.between_steps(state, t + 1)
+                bar.update(moved)
+                t += moved
+                for line in members.news(self.log):
+                    bar.write(f"island {m}: step {t}: {line}", file=sys.stderr)
+                if t % c.log_every == 0 or t == c.steps:
+                    losses.append((t, float(metrics["loss/train"])))
+                    bar.set_postfix(loss=f"{losses[-1][1]:.3f}", refresh=False)
+                    _write(out_dir, f"island-{m}.step", str(t))
+        return state, losses
+
+    def between_steps(self, state, t: int):
+        """The coordinator's mail after step t: a heal to serve (a failure says one
+        line and ends nothing), or word that this island fell behind (it heals from
+        a peer, as a restarted island does). Returns the state and how many steps
+        it moved on (1, or more after such a heal)."""
+        mail = self.board.take_mail()
+        if "serve" in mail:
+            try:
+                self.served += serve_heal(self.board, self.depot, mail["serve"], state)
+            except BoardLost:
+                raise
+            except Exception as e:  # noqa: BLE001 - serving never ends the island
+                _say(self.replica, f"a heal it served failed: {e}")
+        if "behind" not in mail:
+            return state, 1
+        _say(self.replica, f"behind by {mail['behind'].decode()} s at step {t}")
+        state = self.heal(state, "behind")
+        self.board.put(f"hello/{self.replica}", b"1")
+        return state, int(state.step) - t + 1
+
+    def heal(self, state, why: str):
+        """A peer's state with θ_g as parameters; its in-flight rounds are read,
+        not posted (they are the peer's)."""
+        asked = time.perf_counter()
+        state, size = request_heal(
+            self.board, self.replica, state, self.options.timeout_s
         )
-    jax.block_until_ready(state)
-    trained = time.time() - joined
-    evaluation = train.evaluator(r, local, Placement.of(1))(state)
-    summary = {
-        "replica": replica,
-        "evaluation": evaluation,
-        "healed": healed,
-        "first_step": first,
-        "steps": c.steps,
-        "seconds": time.perf_counter() - started,
-        "ready_s": compiled,
-        "joined_at": joined,
-        "trained_s": trained,
-        "served_bytes": served,
-        "losses": losses,
-        "rounds": [dataclasses.asdict(x) for x in log],
-        "global_digest": digest(state.global_params),
-    }
-    _finish(board, replica, out_dir, summary, state.global_params)
-    return summary
-
-
-def _train_steps(c, replica, program, board, first, out_dir):
-    """The island's steps from `first` on: a progress bar (as `train`'s, on stderr),
-    heals served between steps, one line when a round leaves a peer out or a peer is
-    back, and the step file. Returns the state, the bytes served and the losses."""
-    step, state, batches, log = program
-    members = Membership(c.method.num_replicas)
-    served, losses = 0, []
-    bar = tqdm(
-        total=c.steps, initial=first, desc=f"island {replica}", dynamic_ncols=True
-    )
-    for t in range(first + 1, c.steps + 1):
-        state, metrics = step(state, _stack(batches[t - 1]))
-        served += serve_heals(board, replica, state)
-        for line in members.news(log):
-            bar.write(f"island {replica}: step {t}: {line}", file=sys.stderr)
-        if t % c.log_every == 0 or t == c.steps:
-            losses.append((t, float(metrics["loss/train"])))
-            bar.set_postfix(loss=f"{losses[-1][1]:.3f}", refresh=False)
-            _write(out_dir, f"island-{replica}.step", str(t))
-        bar.update(1)
-    bar.close()
-    return state, served, losses
+        state = _through_host(adopt_global(self.r.algorithm.spec, state))
+        if isinstance(self.step, Courier):
+            cast(BoardTransport, self.step.transport).quiet_until = int(state.step)
+        seconds = time.perf_counter() - asked
+        self.healed = {"seconds": seconds, "bytes": size, "why": why}
+        _say(self.replica, f"healed at step {int(state.step)} ({size} bytes)")
+        return state
 
 
 class Membership:
@@ -279,21 +344,6 @@ def _compile(step: Any, state: Any, batch: Any) -> None:
         jax.block_until_ready(step(state, batch))
 
 
-def _heal_if_restarted(
-    board: Board, r: train.Run, replica: int, state: Any, options: BoardOptions
-):
-    """A peer's state with θ_g as parameters if this island ran before (it left
-    `joined/<m>` on the board), else `state`; and what healing took."""
-    if board.try_get(f"joined/{replica}") is None:
-        return state, {}
-    asked = time.perf_counter()
-    state, size = request_heal(board, replica, state, options.timeout_s)
-    state = _through_host(adopt_global(r.algorithm.spec, state))
-    healed = {"seconds": time.perf_counter() - asked, "bytes": size}
-    _say(replica, f"healed at step {int(state.step)} ({size} bytes)")
-    return state, healed
-
-
 def run_coordinator(
     num_replicas: int,
     options: BoardOptions,
@@ -304,30 +354,24 @@ def run_coordinator(
     """Serve the board and decide the rounds until every live island is done (or
     `stop` is set, or SIGTERM); writes `out/coordinator.json` with every decision."""
     stop = threading.Event() if stop is None else stop
-    board = Board(
-        options.address,
-        0,
-        num_replicas + 1,
-        serve=True,
-        heartbeat_s=options.heartbeat_s,
-        connect_timeout_s=options.connect_timeout_s,
-    )
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    board = BoardServer(options.address, heartbeat_s=float(options.heartbeat_s))
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
-        decisions = coordinate(
+        coordinator = Coordinator(
             board,
             num_replicas,
             grace_s=options.grace_s,
-            start_s=options.timeout_s,
-            stop=stop.is_set,
+            start_s=float(options.connect_timeout_s),
+            keep_s=max(60.0, 4 * options.grace_s),
+            live=board.live,
         )
+        decisions = coordinator.run(stop.is_set)
     finally:
         board.close()
     records = [dataclasses.asdict(d) for d in decisions]
     if out_dir is not None:
-        os.makedirs(out_dir, exist_ok=True)
-        with open(os.path.join(out_dir, "coordinator.json"), "w") as f:
-            json.dump(records, f, indent=1)
+        _write(out_dir, "coordinator.json", json.dumps(records, indent=1))
     return records
 
 

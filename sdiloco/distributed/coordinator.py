@@ -1,0 +1,299 @@
+"""The elastic job's coordinator: it serves the board and decides who takes part.
+
+The coordinator holds no replica and no training state. It serves the board
+(`BoardServer`: a `net.Store` over TCP, in its own process) and runs one loop
+(`Coordinator.run`) of four jobs, one method each:
+
+- `greet`: an island that says hello (started, or healed) is waited for again;
+- `decide`: a round's members are the islands whose message arrived before every
+  island it waits for had, or before `grace_s` after the first one;
+- `route`: a heal request goes to a live peer (`HealRouter`);
+- `collect`: a round's messages leave the board once every member has read them
+  (or `keep_s` after its decision).
+
+A round is named `<sent step>-<fragment>` by the islands (`board.round_name`).
+"""
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+from . import net
+from .board import BoardError
+
+
+@dataclasses.dataclass
+class Decision:
+    """One round as the coordinator decided it."""
+
+    round: str
+    members: tuple[int, ...]
+    waited_s: float  # from the first message to the decision
+    timed_out: bool  # decided at the grace deadline (an expected replica missing)
+
+
+class BoardServer:
+    """The board in the coordinator's process: a `net.Store` served on the port of
+    `address` (every interface), and the same calls as a `board.Board` made on the
+    store directly.
+
+    Args:
+        address: `host:port` the islands connect to.
+        heartbeat_s: an island silent this long (stopped, or its link down) no
+            longer counts as live (`live`); one whose process ended stops counting
+            at once (its connections closed).
+        chunk_bytes: bytes per chunk of a value on the wire.
+    """
+
+    def __init__(
+        self, address: str, *, heartbeat_s: float = 10.0, chunk_bytes: int = net.CHUNK
+    ):
+        _, port = net.split_address(address)
+        self.store, self.heartbeat_s = net.Store(), heartbeat_s
+        try:
+            self._server = net.Server(
+                self.store, f"0.0.0.0:{port}", chunk_bytes=chunk_bytes
+            )
+        except OSError as e:
+            raise BoardError(f"cannot serve the board on port {port}: {e}") from None
+        self.address = self._server.address
+        self.linger_s = 2.0
+
+    def put(self, key: str, value: Any) -> None:
+        self.store.put(key, value)
+
+    def get(self, key: str, timeout_s: float) -> Any:
+        value = self.store.get(key, timeout_s)
+        if value is None:
+            raise BoardError(f"coordinator: {key!r} not on the board in {timeout_s} s")
+        return value
+
+    def try_get(self, key: str) -> Any:
+        return self.store.get(key)
+
+    def items(self, prefix: str) -> list[tuple[str, Any]]:
+        return self.store.items(prefix)
+
+    def keys(self, prefix: str) -> list[str]:
+        return [k for k, _ in self.store.items(prefix)]
+
+    def delete(self, key: str) -> None:
+        self.store.delete(key)
+
+    def live(self) -> set[int]:
+        """The islands (replica ids) connected and heard from within the heartbeat."""
+        return {n - 1 for n in self.store.live(self.heartbeat_s) if n >= 1}
+
+    def close(self) -> None:
+        """Stop serving, after the islands had `linger_s` to read their last keys."""
+        time.sleep(self.linger_s)
+        self._server.close()
+
+
+class Coordinator:
+    """The coordinator's state and its loop (see the module).
+
+    Who is waited for (`expected`): every island at the start. One that misses a
+    deadline is no longer waited for. A late message brings it back when it came
+    less than `grace_s` after its round's decision (the island is about one round
+    behind, and the others wait for it at most that long once); later than that it
+    is told it is behind (mail `behind`), heals from a peer as a restarted island
+    does, and is waited for again when it says hello. So a late island never costs
+    the others a second grace window.
+
+    No round is decided before every island has said hello (it has compiled its
+    step and is about to train) or `start_s` has passed, so that the islands'
+    unequal start-up is not taken for a failure. The loop ends when every island
+    still connected has posted `done/<m>`.
+
+    Args:
+        board: the board (a `BoardServer`, or any object with its calls).
+        num_replicas: M.
+        grace_s: how long a round waits after its first message.
+        start_s: how long the rounds wait for every island's hello.
+        keep_s: how long a decided round's messages stay on the board at most.
+        live: the islands connected now (`BoardServer.live`); default all.
+    """
+
+    def __init__(
+        self,
+        board: Any,
+        num_replicas: int,
+        *,
+        grace_s: float,
+        start_s: float = 300.0,
+        keep_s: float = 60.0,
+        live: Callable[[], set[int]] | None = None,
+    ):
+        self.board, self.num_replicas = board, num_replicas
+        self.grace_s, self.start_s, self.keep_s = grace_s, start_s, keep_s
+        everyone = set(range(num_replicas))
+        self.live = live if live is not None else lambda: everyone
+        self.expected = set(everyone)
+        self.greeted: set[int] = set()
+        self.behind: set[int] = set()
+        self.first: dict[str, float] = {}
+        self.decided: dict[str, tuple[float, tuple[int, ...]]] = {}
+        self.decisions: list[Decision] = []
+        self.route, self.recent = HealRouter(), ()
+        self.began = time.perf_counter()
+
+    def run(self, stop: Callable[[], bool], poll_s: float = 0.005) -> list[Decision]:
+        """Coordinate until every connected island is done, or `stop()`; returns
+        the decisions in the order they were made."""
+        while not stop():
+            time.sleep(poll_s)
+            now = time.perf_counter()
+            if self.finished():
+                break
+            self.greet()
+            self.route(self.board, self.expected & self.live(), self.recent)
+            if (
+                len(self.greeted) < self.num_replicas
+                and now - self.began < self.start_s
+            ):
+                continue  # still starting
+            self.decide(now)
+            self.collect(now)
+        return self.decisions
+
+    def finished(self) -> bool:
+        done = {_id(k) for k in self.board.keys("done/")}
+        return bool(done) and (self.expected | self.live()) <= done
+
+    def greet(self) -> None:
+        for key in self.board.keys("hello/"):
+            m = _id(key)
+            self.greeted.add(m)
+            self.expected.add(m)
+            self.behind.discard(m)
+            self.board.delete(key)
+
+    def decide(self, now: float) -> None:
+        for name, arrived in _arrivals(self.board).items():
+            if name in self.decided:
+                self.board.delete(f"arrived/{name}")
+                self._late(name, arrived, now)
+                continue
+            start = self.first.setdefault(name, now)
+            timed_out = now - start >= self.grace_s
+            if not (self.expected <= arrived or timed_out):
+                continue
+            members = tuple(sorted(arrived))
+            self.board.put(f"members/{name}", _bytes(members))
+            self.board.delete(f"arrived/{name}")
+            if timed_out:
+                self.expected = set(arrived)
+            self.decided[name], self.recent = (now, members), members
+            self.decisions.append(Decision(name, members, now - start, timed_out))
+
+    def collect(self, now: float) -> None:
+        """Delete the messages of rounds every member has read (`got/<round>/<m>`),
+        and of every round decided more than `keep_s` ago."""
+        got: dict[str, set[int]] = {}
+        for key in self.board.keys("got/"):
+            _, name, m = key.split("/")
+            got.setdefault(name, set()).add(int(m))
+        for name, ids in got.items():
+            at, members = self.decided.get(name, (now, ()))
+            if set(members) <= ids or now - at > self.keep_s:
+                self.board.delete(f"msg/{name}")
+                self.board.delete(f"got/{name}")
+        for name in [
+            n for n, (at, _) in self.decided.items() if now - at > self.keep_s
+        ]:
+            self.board.delete(f"msg/{name}")
+            self.board.delete(f"members/{name}")
+            del self.decided[name]
+            self.first.pop(name, None)
+
+    def _late(self, name: str, arrived: set[int], now: float) -> None:
+        lag = now - self.decided[name][0]
+        for m in arrived - self.expected:
+            if lag < self.grace_s:
+                self.expected.add(m)  # about one round behind: wait for it again
+            elif m not in self.behind:
+                self.behind.add(m)
+                self.board.put(f"to/{m}/behind", f"{lag:.1f}".encode())
+
+
+def coordinate(
+    board: Any,
+    num_replicas: int,
+    *,
+    grace_s: float,
+    stop: Callable[[], bool],
+    start_s: float = 300.0,
+    keep_s: float = 60.0,
+    live: Callable[[], set[int]] | None = None,
+) -> list[Decision]:
+    """The coordinator's loop over `board` (see `Coordinator`); returns its
+    decisions."""
+    c = Coordinator(
+        board, num_replicas, grace_s=grace_s, start_s=start_s, keep_s=keep_s, live=live
+    )
+    return c.run(stop)
+
+
+class HealRouter:
+    """The coordinator's routing of heal requests (`board.request_heal`).
+
+    An island that asks posts `heal/want/<m>` (a nonce). The request goes, as mail
+    (`to/<peer>/serve`), to a peer that is live, is not itself waiting for a heal
+    and is not serving another request; members of the latest decided round come
+    first (they are training now). The peer offers its state and posts
+    `heal/ready/<m>/<nonce>`; the asker fetches it and posts `heal/got/<m>/<nonce>`,
+    which frees the peer. A request whose peer leaves the live set before the asker
+    got the state (its process ended: its connections closed) is routed again at
+    once; an asker whose fetch failed asks again with a new nonce. Two islands
+    restarted at once are never routed to each other, and a peer serves one request
+    at a time.
+    """
+
+    def __init__(self):
+        self.routed: dict[int, tuple[int, str]] = {}  # peer -> (asker, nonce)
+
+    def __call__(
+        self, board: Any, live: set[int], recent: tuple[int, ...] = ()
+    ) -> None:
+        askers = {_id(k): v for k, v in board.items("heal/want/")}
+        for peer, (asker, nonce) in list(self.routed.items()):
+            if board.try_get(f"heal/got/{asker}/{nonce}") is not None:
+                board.delete(f"heal/got/{asker}/{nonce}")
+                del self.routed[peer]  # served
+            elif asker in askers:  # the asker asked again: its fetch failed
+                board.delete(f"to/{peer}/serve")
+                del self.routed[peer]
+            elif peer not in live or peer in askers:  # it died, or came back
+                board.delete(f"to/{peer}/serve")
+                del self.routed[peer]
+                board.put(f"heal/want/{asker}", nonce.encode())
+                askers[asker] = nonce.encode()
+        busy = set(askers) | set(self.routed) | {a for a, _ in self.routed.values()}
+        for asker in sorted(askers):
+            peers = sorted(live - busy, key=lambda p: (p not in recent, p))
+            if not peers:
+                continue  # when a peer is free
+            nonce = bytes(askers[asker]).decode()
+            board.delete(f"heal/want/{asker}")
+            board.put(f"to/{peers[0]}/serve", f"{asker}:{nonce}".encode())
+            self.routed[peers[0]] = (asker, nonce)
+            busy.add(peers[0])
+
+
+def _arrivals(board: Any) -> dict[str, set[int]]:
+    out: dict[str, set[int]] = {}
+    for key in board.keys("arrived/"):
+        parts = key.split("/")
+        if len(parts) == 3:
+            out.setdefault(parts[1], set()).add(int(parts[2]))
+    return out
+
+
+def _id(key: str) -> int:
+    return int(key.rsplit("/", 1)[1])
+
+
+def _bytes(members: tuple[int, ...]) -> bytes:
+    return ",".join(map(str, members)).encode()
