@@ -82,7 +82,7 @@ def test_index_lists_every_notebook():
 
 def test_committed_artifacts_are_full_mode():
     for meta in (ROOT / "paper_figures").glob("*.json"):
-        if meta.name == "runtimes.json":
+        if meta.name in ("runtimes.json", "records.json"):
             continue
         d = json.loads(meta.read_text())
         assert d["fast_mode"] is False, f"{meta.name} was written in FAST mode"
@@ -104,3 +104,19 @@ def test_figures_cli_rejects_unknown_name(capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1
     assert "no-such-notebook" in err
+
+
+def test_the_record_index_names_records_that_exist():
+    """`records.json` (what `--verify` samples): per notebook, the records it read;
+    every notebook that reads records is listed, with as many as it read."""
+    index = json.loads((ROOT / "paper_figures" / "records.json").read_text())
+    times = json.loads((ROOT / "paper_figures" / "runtimes.json").read_text())
+    assert set(index) <= set(IDS)
+    for name, t in times.items():
+        if t["runs"]:
+            assert len(index.get(name, [])) == t["runs"], name
+    runs = ROOT / "paper_figures" / "runs"
+    missing = [
+        k for keys in index.values() for k in keys if not (runs / f"{k}.json").exists()
+    ]
+    assert not missing, missing[:5]
