@@ -215,39 +215,29 @@ def wall_clock(
     """Replay `trace` in time for a method whose collectives are at `syncs`.
 
     Step t takes `step_s`. A failure at step t (alive at t − 1, not at t) is noticed
-    `detect_s` later; a collective step (`syncs[t]`; every step for Data-Parallel)
-    that starts before then waits until it is noticed, which stalls every live
-    replica. A returning replica restarts (`restart_s`) and downloads its state
-    (`heal_s`) before its first inner step, without stalling the others; its inner
-    steps meanwhile are lost (the trace's computes is reduced accordingly).
-
-    Work a failure throws away is not useful either: a failed replica heals to θ_g, so
-    the inner steps it took since it last sent a fragment never reach that fragment.
-    Each is counted lost in proportion to the fragment's share of the parameters
-    (`discarded_steps`); under Data-Parallel, which sends every step, nothing is.
+    `detect_s` later; a collective step (`syncs[t]`) that starts before then waits
+    until it is noticed, stalling every live replica. A returning replica restarts
+    (`restart_s`) and downloads its state (`heal_s`) before its first inner step,
+    without stalling the others; its inner steps meanwhile are lost. The steps a
+    failed replica took since it last sent each fragment are thrown away too
+    (`discarded_steps`): it heals to θ_g.
 
     Args:
-        trace: the run's participation.
-        syncs: `[T]` bool, the steps with a collective.
-        timing: the time model.
-        sent: `[T, P]` bool, the steps at which fragment p is sent (default:
-            `syncs`, one fragment).
-        shares: `[P]`, each fragment's fraction of the parameters (default equal).
+        trace, syncs, timing: the run's participation, the `[T]` steps with a
+            collective (every step for Data-Parallel), the time model.
+        sent, shares: `[T, P]` the steps at which fragment p is sent (default:
+            `syncs`, one fragment) and `[P]` each fragment's fraction of the
+            parameters (default equal), for `discarded_steps`.
 
     Returns:
         `wall_s`, `useful_s` (inner steps taken and kept × `step_s`), `goodput` (useful
-        over M × wall), `stall_s` (time the live replicas waited on failures),
-        `heal_s` (restart and download time of all returns), `lost_steps` (inner
-        steps lost to restarting and healing), `discarded_steps` (inner steps taken
-        and thrown away by failures).
+        over M × wall), `stall_s`, `heal_s` (restart and download time of all
+        returns), `lost_steps` (to restarting and healing), `discarded_steps`.
     """
     alive, computes = np.asarray(trace.alive), np.asarray(trace.computes).copy()
     steps, num_replicas = alive.shape
     syncs = np.asarray(syncs, bool)
     check(syncs.shape == (steps,), "syncs.shape", syncs.shape, f"({steps},)")
-    sent = syncs[:, None] if sent is None else np.asarray(sent, bool)
-    check(sent.ndim == 2 and len(sent) == steps, "sent.shape", sent.shape, "(T, P)")
-    shares = np.full(sent.shape[1], 1 / sent.shape[1]) if shares is None else shares
     was = np.vstack([np.ones((1, num_replicas), bool), alive[:-1]])
     now, noticed, stall, lost = 0.0, 0.0, 0.0, 0
     heal_steps = int(np.ceil((timing.restart_s + timing.heal_s) / timing.step_s))
@@ -262,27 +252,37 @@ def wall_clock(
             stall += noticed - now
             now = noticed
         now += timing.step_s
-    discarded = discarded_steps(trace, computes, sent, np.asarray(shares))
+    discarded = discarded_steps(
+        trace, computes, syncs if sent is None else sent, shares
+    )
     useful = (float(computes.sum()) - discarded) * timing.step_s
-    returns = int((~was & alive).sum())
     return {
         "wall_s": now,
         "useful_s": useful,
         "goodput": useful / (num_replicas * now),
         "stall_s": stall,
-        "heal_s": returns * (timing.restart_s + timing.heal_s),
+        "heal_s": int((~was & alive).sum()) * (timing.restart_s + timing.heal_s),
         "lost_steps": lost,
         "discarded_steps": discarded,
     }
 
 
 def discarded_steps(
-    trace: Trace, computes: np.ndarray, sent: np.ndarray, shares: np.ndarray
+    trace: Trace,
+    computes: np.ndarray,
+    sent: np.ndarray,
+    shares: np.ndarray | None = None,
 ) -> float:
     """Inner steps taken and thrown away by failures, weighted by fragment share:
     at each failure, the steps the replica computed since it last sent each
-    fragment (a step's send carries that step's work)."""
+    fragment (a step's send carries that step's work). `sent` is `[T, P]` (or `[T]`,
+    one fragment), `shares` `[P]` (default equal)."""
     alive, sends = np.asarray(trace.alive), np.asarray(trace.sends)
+    sent = np.asarray(sent, bool)
+    sent = sent[:, None] if sent.ndim == 1 else sent
+    ok = sent.ndim == 2 and len(sent) == len(alive)
+    check(ok, "sent.shape", sent.shape, f"({len(alive)}, P)")
+    shares = np.full(sent.shape[1], 1 / sent.shape[1]) if shares is None else shares
     pending = np.zeros((alive.shape[1], sent.shape[1]))
     discarded = 0.0
     for t in range(alive.shape[0]):
