@@ -276,14 +276,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.jobs < 1:
         p.error(f"--jobs={args.jobs}; must be >= 1.")
+    # Outputs sit next to the notebooks, in their checkout.
+    root = paths[0].parent.resolve().parent
     if args.verify is not None:
-        root = paths[0].parent.resolve().parent
         out = pathlib.Path(args.out or root / "paper_figures").resolve()
         return _verify(args.verify, args.verify_seed, args.verify_cell, out)
     if not args.fast:  # once here, for every notebook's kernel
         os.environ[provenance.FINGERPRINT_ENV] = provenance.environment_value()
-    # Outputs sit next to the notebooks, in their checkout.
-    root = paths[0].parent.resolve().parent
     default = root / ("runs/figures-fast" if args.fast else "paper_figures")
     out_dir = pathlib.Path(args.out or default).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -316,7 +315,8 @@ def _verify(k: int, seed: int | None, cell: bool, out_dir: pathlib.Path) -> int:
         print(f"{row['notebook']}: {row['key']} ({what}): {verdict}", flush=True)
     passed = all(r["passed"] for r in rows)
     if cell or not any(r["model"] in verify.HEADLINE_MODELS for r in rows):
-        print("re-training a headline cell (no current headline record)", flush=True)
+        why = "asked" if cell else "no current headline record"
+        print(f"re-training the headline cell ({why})", flush=True)
         result = verify.verify_cell()
         before, after = result["published"], result["retrained"]
         print(
