@@ -26,6 +26,7 @@ import jax
 from ..lab import train
 from ..lab.config import RunConfig
 from . import experiments, provenance
+from .plotting import git_commit
 
 
 HEADLINE_MODELS: tuple[str, ...] = ("tiny-xs", "tiny-xs+", "tiny-s")
@@ -39,7 +40,7 @@ def index_path(out_dir: pathlib.Path) -> pathlib.Path:
 
 def commit_seed() -> int:
     """A sampling seed that changes with every commit (0 outside a checkout)."""
-    commit = provenance.git_commit()
+    commit = git_commit()
     try:
         return int(commit[:8], 16)
     except ValueError:
@@ -71,17 +72,17 @@ def sample(
             if loaded and provenance.is_current(loaded[1]):
                 cost = _cost(loaded[0])
                 current.setdefault(notebook, []).append((cost, key, *loaded))
-    headline = [
-        (nb, key, c, d)
+    headline = sorted(
+        (cost, key, nb, c, d)
         for nb, runs in current.items()
-        for _, key, c, d in runs
+        for cost, key, c, d in runs
         if c.model in HEADLINE_MODELS
-    ]
+    )
     chosen = []
     if headline:
-        headline.sort(key=lambda x: (_cost(x[2]), x[1]))
         cheapest = headline[: max(1, len(headline) // 2)]  # within a CI budget
-        chosen.append(rng.choice(cheapest))
+        _, key, nb, c, d = rng.choice(cheapest)
+        chosen.append((nb, key, c, d))
     notebooks = sorted(current)
     rng.shuffle(notebooks)
     for nb in notebooks:
