@@ -142,6 +142,7 @@ def test_run_one_logs_the_training_time_of_a_recorded_run(tmp_path, monkeypatch)
         "train_s": 12.5,
         "trained_now_s": 0.0,
         "stale": 1,
+        "keys": [key],  # once, though asked twice
     }
 
 
@@ -160,6 +161,7 @@ def test_run_times_count_each_run_once_and_sum_their_training():
         "train_s": 120.2,  # every run's recorded training time
         "trained_now_s": 20.2,  # of which spent in this execution
         "stale": 1,
+        "keys": ["a", "b", "c"],  # what --verify samples from, each once
     }
     assert figures.run_times([]) == {
         "runs": 0,
@@ -167,6 +169,7 @@ def test_run_times_count_each_run_once_and_sum_their_training():
         "train_s": 0.0,
         "trained_now_s": 0.0,
         "stale": 0,
+        "keys": [],
     }
 
 

@@ -254,7 +254,7 @@ def is_current(record: Mapping[str, Any]) -> bool:
     """Whether a record was made by code with this code's numerics on this machine
     type: its fingerprint is this one and so is every probe it carries."""
     c = record.get("code", {})
-    if c.get("fingerprint") != fingerprint():
+    if not c.get("fingerprint") or c["fingerprint"] != fingerprint():
         return False
     mine = probes()
     return all(mine.get(k, v) == v for k, v in c.get("probes", {}).items())
