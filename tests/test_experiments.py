@@ -379,3 +379,21 @@ def test_seed_slopes_rejects_one_seed_and_a_constant_x():
         ex.seed_slopes([0.0, 1.0], [[0.0, 1.0]])
     with pytest.raises(ValueError, match="varying x"):
         ex.seed_slopes([2.0, 2.0], [[0.0, 1.0], [1.0, 2.0]])
+
+
+def test_a_frontier_recipe_that_changes_the_inner_optimizer_keeps_its_tuned_lr():
+    from sdiloco.paper import frontier, tuning
+
+    class Chosen(tuning.Search):  # the values a search chose, without training
+        def best_values(self, axes):
+            return {"inner.lr": 0.012, "method.outer.lr": 0.6}
+
+    c = frontier.tuned_config(
+        "E3M0 + Muon",
+        object.__new__(Chosen),
+        model=ex.MODEL,
+        regime=ex.REGIME,
+        num_replicas=4,
+    )
+    assert c.inner.kind == "muon" and c.inner.lr == 0.012
+    assert c.method.outer.lr == 0.6 and c.method.num_replicas == 4
