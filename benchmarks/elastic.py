@@ -44,9 +44,9 @@ from ._common import machine
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 M, GRACE, KILL_AT, CUT_S = 3, 4.0, 60, 6.0
-EXCHANGE = "posted"
-"""The islands' exchange (τ = 1: `BoardPosted` moved by a `Courier`); a record made
-with another is started again."""
+EXCHANGE = "posted, tcp board"
+"""The islands' exchange (τ = 1: `posted_exchange(island=...)` moved by a `Courier`
+over the board); a record made with another is started again."""
 FLAGS = [
     "--preset=streaming_overlap_fp4",
     "--model=tiny-xxs",
@@ -241,14 +241,48 @@ def summarize(results: dict) -> dict:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=2400)
     parser.add_argument("--link-cut", action="store_true")
     parser.add_argument(
         "--out", default=str(ROOT / "benchmarks" / "measured" / "elastic.json")
     )
+    parser.add_argument(
+        "--rounds", action="store_true", help="round time against message size"
+    )
+    parser.add_argument("--sizes", default=",".join(map(str, SIZES_MB)), help="MB")
+    parser.add_argument("--islands", default="3,4")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--worker", choices=["board", "gloo"], help=argparse.SUPPRESS)
+    parser.add_argument("--worker-args", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.worker is not None:
+        port, count, m, size, repeats, mapped = map(int, args.worker_args.split(","))
+        work = _board_worker if args.worker == "board" else _gloo_worker
+        work(port, count, m, size, repeats, bool(mapped))
+        return 0
+    if args.rounds:
+        return _main_rounds(args)
+    return _main_faults(args)
+
+
+def _main_rounds(args: argparse.Namespace) -> int:
+    path = ROOT / "benchmarks" / "measured" / "elastic_rounds.json"
+    sizes = [int(x) for x in args.sizes.split(",")]
+    islands = [int(x) for x in args.islands.split(",")]
+    started = time.perf_counter()
+    record = {"machine": machine(), "sizes_mb": sizes}
+    record |= bench_rounds(sizes, islands, args.repeats)
+    record["large"] = _if_fits(3 * LARGE + (2 << 30), large_crossing)
+    record["large"]["note"] = "2 islands, one round, file-backed messages and inbox"
+    print(json.dumps({"large": record["large"]}), flush=True)
+    record["seconds"] = time.perf_counter() - started
+    path.write_text(json.dumps(record, indent=1))
+    return 0
+
+
+def _main_faults(args: argparse.Namespace) -> int:
     path = pathlib.Path(args.out)
     record = json.loads(path.read_text()) if path.exists() else {}
     if record.get("steps") != args.steps or record.get("exchange") != EXCHANGE:
@@ -269,6 +303,208 @@ def main(argv: Sequence[str] | None = None) -> int:
             path.write_text(json.dumps(record, indent=1))
     print(json.dumps(record["summary"], indent=1))
     return 0
+
+
+# ------------------------------------------------------ round time against message size
+
+SIZES_MB = (1, 16, 64, 256, 1024)
+LARGE = 2_300_000_000
+"""Bytes of the message of the large crossing: above 2 GiB (2,147,483,648), the
+largest value JAX's coordination service could hold (one protobuf)."""
+
+
+def bench_rounds(sizes_mb: Sequence[int], islands: Sequence[int], repeats: int) -> dict:
+    """Round time of the board (each island posts one message and reads the
+    others') beside a gloo all-gather of the same bytes between the same number of
+    processes, per message size; a configuration whose processes would not fit in
+    the memory available is skipped, and the record says so."""
+    out: dict = {"repeats": repeats, "islands": {}}
+    for count in islands:
+        rows = out["islands"].setdefault(str(count), {})
+        for mb in sizes_mb:
+            size, reps = mb << 20, repeats if mb <= 64 else max(2, repeats // 2 + 1)
+            row: dict = {}
+            # islands: own message + one aliased inbox row each; coordinator: a copy each
+            need = 3 * count * size + (1 << 30)
+            row["board"] = _if_fits(need, lambda: _board_rounds(count, size, reps))
+            # gloo: every process holds its input and the gathered [M, B] (twice)
+            need = count * (2 * count + 1) * size + (1 << 30)
+            row["gloo"] = _if_fits(need, lambda: _gloo_rounds(count, size, reps))
+            rows[str(mb)] = row
+            print(json.dumps({"islands": count, "MB": mb, **row}), flush=True)
+    return out
+
+
+def large_crossing(repeats: int = 1) -> dict:
+    """Two islands, a round of messages of `LARGE` bytes (file-backed, so that the
+    machine's memory holds the coordinator's copies), each checked by its digest."""
+    del repeats
+    return _board_rounds(2, LARGE, 1, mapped=True)
+
+
+def _if_fits(need: int, fn: Callable[[], dict]) -> dict:
+    free = _available()
+    if need > free:
+        return {"skipped": f"needs ~{need / 2**30:.1f} GiB, {free / 2**30:.1f} free"}
+    return fn()
+
+
+def _available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _board_rounds(count: int, size: int, repeats: int, mapped: bool = False) -> dict:
+    """A coordinator (`python -m sdiloco coordinate`) and `count` worker islands that
+    run `repeats` rounds of `size`-byte messages through `board.Rounds`."""
+    port = _free_port()
+    board = [f"--board=127.0.0.1:{port}", "--grace=600", "--board-timeout=900"]
+    coordinator = _local(["coordinate", f"--replicas={count}", *board])
+    argv = [sys.executable, "-m", "benchmarks.elastic", "--worker=board"]
+    workers = [
+        subprocess.Popen(
+            [*argv, f"--worker-args={port},{count},{m},{size},{repeats},{int(mapped)}"],
+            env=_env(),
+            cwd=ROOT,
+            **_captured(),
+        )
+        for m in range(count)
+    ]
+    results = _collect([*workers, coordinator], timeout=1800)[:count]
+    per_round = np.max([r["seconds"] for r in results], axis=0)  # the slowest island
+    out = {
+        "median_s": float(np.median(per_round[1:] if repeats > 1 else per_round)),
+        "rounds_s": [round(float(x), 4) for x in per_round],
+    }
+    if mapped:
+        out |= {
+            "bytes": size,
+            "digests_equal": all(r["digests_equal"] for r in results),
+        }
+    return out
+
+
+def _gloo_rounds(count: int, size: int, repeats: int) -> dict:
+    port = _free_port()
+    argv = [sys.executable, "-m", "benchmarks.elastic", "--worker=gloo"]
+    workers = [
+        subprocess.Popen(
+            [*argv, f"--worker-args={port},{count},{m},{size},{repeats},0"],
+            env=_env(),
+            cwd=ROOT,
+            **_captured(),
+        )
+        for m in range(count)
+    ]
+    results = _collect(workers, timeout=1800)
+    per_round = np.max([r["seconds"] for r in results], axis=0)
+    return {
+        "median_s": float(np.median(per_round[1:] if repeats > 1 else per_round)),
+        "rounds_s": [round(float(x), 4) for x in per_round],
+    }
+
+
+def _collect(procs: list[subprocess.Popen], timeout: float) -> list[dict]:
+    """Each process's last output line as JSON (the coordinator's: its summary)."""
+    deadline = time.monotonic() + timeout
+    out = []
+    try:
+        for p in procs:
+            text, _ = p.communicate(timeout=max(1, deadline - time.monotonic()))
+            if p.returncode != 0:
+                raise RuntimeError(f"a process failed:\n{text[-3000:]}")
+            out.append(json.loads(text.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    return out
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _message(size: int, m: int, mapped: bool) -> np.ndarray:
+    if not mapped:
+        return np.full(size, m + 1, np.uint8)
+    path = f"/tmp/sdiloco-large-{os.getpid()}-{m}"
+    x = np.memmap(path, np.uint8, "w+", shape=(size,))
+    step = 1 << 26
+    for start in range(0, size, step):  # a pattern that differs along the message
+        x[start : start + step] = (start // step + m) % 251
+    os.unlink(path)  # the mapping stays until the process ends
+    return x
+
+
+def _board_worker(port: int, count: int, m: int, size: int, repeats: int, mapped: bool):
+    """One island of `_board_rounds`: `repeats` rounds through `board.Rounds` into
+    an inbox whose rows share one buffer (the timing of a whole inbox, the memory of
+    one row), or file-backed rows for the large crossing."""
+    import hashlib
+
+    from sdiloco.distributed import board as board_lib, net
+
+    board = board_lib.Board(f"127.0.0.1:{port}", m + 1, heartbeat_s=60.0)
+    depot = net.Depot(board.local_host())
+    board.put(board_lib.Keys.island("depot", m), depot.address.encode())
+    board.put(board_lib.Keys.island("hello", m), b"1")
+    own = _message(size, m, mapped)
+    if mapped:
+        path = f"/tmp/sdiloco-inbox-{os.getpid()}"
+        inbox = np.memmap(path, np.uint8, "w+", shape=(count, size))
+        os.unlink(path)
+    else:
+        row = np.empty(size, np.uint8)
+        inbox = np.lib.stride_tricks.as_strided(row, (count, size), (0, 1))
+    rounds = board_lib.Rounds(board, depot, m, count, timeout_s=900.0, keep_s=1.0)
+    for r in range(repeats):
+        rounds(f"{r}-0", own, inbox=inbox)
+    result: dict = {"seconds": [x.waited_s for x in rounds.log]}
+    if mapped:
+
+        def digest(x):
+            return hashlib.blake2b(memoryview(x), digest_size=16).hexdigest()
+
+        board.put(f"digest/{m}", digest(own).encode())
+        others = [j for j in range(count) if j != m]
+        result["digests_equal"] = all(
+            bytes(board.get(f"digest/{j}", 600.0)).decode() == digest(inbox[j])
+            for j in others
+        )
+    board.put(board_lib.Keys.island("done", m), b"1")
+    rounds.close()
+    depot.close()
+    board.close()
+    print(json.dumps(result), flush=True)
+
+
+def _gloo_worker(port: int, count: int, m: int, size: int, repeats: int, mapped: bool):
+    """One process of `_gloo_rounds`: `repeats` all-gathers of `size` bytes over
+    gloo (`multihost_utils.process_allgather`)."""
+    del mapped
+    import jax
+    from jax.experimental import multihost_utils
+
+    jax.distributed.initialize(
+        f"127.0.0.1:{port}", count, m, initialization_timeout=300
+    )
+    x = np.full(size, m + 1, np.uint8)
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        multihost_utils.process_allgather(x)
+        seconds.append(time.perf_counter() - start)
+    jax.distributed.shutdown()
+    print(json.dumps({"seconds": seconds}), flush=True)
 
 
 if __name__ == "__main__":

@@ -62,9 +62,9 @@ class Exchange(Protocol):
     piece), it returns the average over replicas of what the receivers reconstruct
     (one `[...]` array per piece, in float32 or wider) and each replica's own
     reconstruction `[M, ...]` (what error feedback subtracts).
-    `communication.simulated_exchange` (every replica on one device),
-    `distributed.sharded_exchange(mesh)` (a packed all-gather) and
-    `distributed.board_exchange` (islands of an elastic job) are the ones here.
+    `communication.simulated_exchange` (every replica on one device) and
+    `distributed.sharded_exchange(mesh)` (a packed all-gather) are the ones here;
+    `distributed.posted_exchange` splits one around the steps (`PostedExchange`).
     """
 
     def __call__(
@@ -84,9 +84,10 @@ class PostedExchange(Protocol):
 
     The step that sends a fragment only *encodes*: each replica's packed message goes
     into the state's outbox. Something outside the step (a `distributed.Courier`)
-    moves the messages between replicas while the next τ inner steps compute, and
-    puts every replica's message in the state's inbox before the step that needs
-    them, which *decodes* and averages them. The values are those of an `Exchange`
+    moves the messages between replicas while the next τ inner steps compute (with
+    τ = 0, between the two halves of the sending step), and puts every replica's
+    message in the state's inbox before the step that needs them, which *decodes*
+    and averages them. The values are those of an `Exchange`
     that encodes, moves and decodes within one step.
     """
 

@@ -227,8 +227,9 @@ def streaming_diloco(
             step that sends. A `PostedExchange` (`distributed.posted_exchange`)
             only encodes in that step: the state then carries an outbox and an
             inbox of packed messages, something outside the step (a
-            `distributed.Courier`) moves them while the next τ inner steps compute,
-            and the step of the outer update decodes them. It needs τ >= 1.
+            `distributed.Courier`) moves them while the next τ inner steps compute
+            (with τ = 0, between the two halves of the sending step), and the step
+            of the outer update decodes them.
         offload: keep θ_g and the outer optimizer state in host memory (the
             `pinned_host` memory kind) and move only the pieces of the fragment being
             synchronised to the device, for its Δ, outer step and merge (the paper's
@@ -267,7 +268,6 @@ def streaming_diloco(
         alpha, nonfinite, compressor, error_feedback, fragments, heal, weighting, merge
     )
     schedule = _schedule(sync_every, fragments, num_replicas, overlap, first_send)
-    _check_exchange(exchange, schedule)
     spec = StreamingSpec(
         loss_fn=loss_fn,
         inner=inner,
@@ -927,15 +927,6 @@ def _schedule(sync_every, fragments, num_replicas, overlap, first_send) -> Sched
     """The sync schedule of `streaming_diloco`'s arguments (validated)."""
     num_fragments = 1 if fragments is None else fragments.num_fragments
     return make_schedule(sync_every, num_fragments, num_replicas, overlap, first_send)
-
-
-def _check_exchange(exchange: Exchange | PostedExchange, schedule: Schedule) -> None:
-    if isinstance(exchange, PostedExchange) and schedule.min_overlap < 1:
-        raise ValueError(
-            f"overlap (tau)={schedule.overlap} with a posted exchange; allowed: every "
-            "tau >= 1 (with tau = 0 the outer step is in the step that sends, so "
-            "there is no step to move the messages behind)."
-        )
 
 
 def _bits_per_fragment(spec: StreamingSpec, params: Params) -> np.ndarray:

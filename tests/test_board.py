@@ -1,4 +1,4 @@
-"""The islands' posted exchange (`distributed.board.BoardPosted`) moved by a `Courier`
+"""The islands' posted exchange (`posted_exchange(island=...)`) moved by a `Courier`
 with a transport, in one process: an in-memory board stands in for the coordination
 service, so the numbers are tested here and the processes in `test_elastic.py`.
 
@@ -36,7 +36,7 @@ from hypothesis import given, settings, strategies as st
 import sdiloco
 from sdiloco import distributed
 from sdiloco.distributed import board as board_lib, net
-from sdiloco.distributed.board import Board, BoardError, BoardPosted
+from sdiloco.distributed.board import Board, BoardError
 from sdiloco.distributed.coordinator import BoardServer, Coordinator, HealRouter
 
 
@@ -74,7 +74,7 @@ class MemoryBoard:
 
 def _islands(params, board, **kw):
     algs = [
-        toy_streaming(params, num_replicas=1, exchange=BoardPosted(m, M), **kw)
+        toy_streaming(params, num_replicas=1, exchange=_island(m), **kw)
         for m in range(M)
     ]
     couriers = [
@@ -84,17 +84,27 @@ def _islands(params, board, **kw):
     return algs, couriers
 
 
+def _island(m):
+    return distributed.posted_exchange(island=(m, M))
+
+
 def _train_islands(params, batches, board, **kw):
-    """Step the islands round-robin (each waits at t + τ for the round of t, which
-    the others post at their step t)."""
+    """Each island steps in a thread of its own, as in its own process (with τ = 0
+    it waits for the others between the halves of the step that sends)."""
     algs, couriers = _islands(params, board, **kw)
     states = [alg.init(params) for alg in algs]
-    for batch in batches:
-        for m in range(M):
+
+    def run(m):
+        for batch in batches:
             one = jax.tree.map(lambda x: x[m : m + 1], batch)
             states[m], _ = couriers[m](states[m], one)
-    for courier in couriers:
-        courier.close()
+        couriers[m].close()
+
+    threads = [threading.Thread(target=run, args=(m,)) for m in range(M)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
     return states
 
 
@@ -109,14 +119,16 @@ def _simulate(params, batches, sends_at=None, **kw):
     return state
 
 
-def test_islands_train_the_simulated_run():
+@pytest.mark.parametrize("tau", [1, 0])
+def test_islands_train_the_simulated_run(tau):
+    # With τ = 0 (DiLoCo) too: the round between the halves of the sending step.
     params = toy_params(jr.key(5))
     batches = toy_batches(jr.key(6), steps=14, replicas=M)
     board = MemoryBoard()
-    states = _train_islands(params, batches, board)
+    states = _train_islands(params, batches, board, overlap=tau)
     for state in states[1:]:  # the same members' bytes, the same mean: bitwise
         assert_trees_equal(state.global_params, states[0].global_params)
-    simulated = _simulate(params, batches)
+    simulated = _simulate(params, batches, overlap=tau)
     assert_trees_allclose(
         states[0].global_params, simulated.global_params, rtol=1e-5, atol=1e-6
     )
@@ -152,7 +164,7 @@ def test_an_island_left_out_of_a_round_is_the_simulation_without_its_send():
 
 def test_a_failed_transport_names_itself_and_leaves_the_state_intact():
     params = toy_params(jr.key(5))
-    alg = toy_streaming(params, num_replicas=1, exchange=BoardPosted(0, M))
+    alg = toy_streaming(params, num_replicas=1, exchange=_island(0))
 
     def broken(messages, fragment, sent):
         raise RuntimeError("board unreachable")
@@ -172,14 +184,14 @@ def test_a_failed_transport_names_itself_and_leaves_the_state_intact():
 
 def test_bad_input():
     params = toy_params(jr.key(5))
-    alg = toy_streaming(params, num_replicas=1, exchange=BoardPosted(0, M))
+    alg = toy_streaming(params, num_replicas=1, exchange=_island(0))
     mesh = distributed.replica_mesh(1, jax.devices()[:1])
     with pytest.raises(ValueError, match="transport= with a mesh"):
         distributed.Courier(alg, mesh, mesh, transport=lambda *a: a[0])
     with pytest.raises(ValueError, match="replica=3"):
-        BoardPosted(3, M)
-    with pytest.raises(ValueError, match="one replica per island"):
-        two = toy_streaming(params, num_replicas=2, exchange=BoardPosted(0, M))
+        _island(3)
+    with pytest.raises(ValueError, match="carries one replica"):
+        two = toy_streaming(params, num_replicas=2, exchange=_island(0))
         two.step(two.init(params), toy_batches(jr.key(6), steps=1, replicas=2)[0])
 
 
@@ -509,3 +521,144 @@ def test_the_coordinator_frees_a_rounds_messages_once_every_member_read_them():
     board.put("got/6-0/2", b"1")
     c.collect(now=0.2)
     assert board.keys("msg/") == [] and board.keys("got/") == []
+
+
+def test_a_round_a_live_island_missed_stays_until_it_read_it():
+    # Island 1 is alive but was left out of round 6-0 (late). The members may
+    # finish and leave, depots and all, before it reads the round: the board's
+    # copy stays until it has (or keep_s after the decision).
+    board, c = _coordinator()
+    c.live = lambda: {0, 1, 2}
+    _arrive(board, "6-0", 0, 2)
+    for m in (0, 2):
+        board.put(f"msg/6-0/{m}", b"x")
+    c.decide(now=0.0)
+    c.decide(now=4.1)  # at the grace deadline, without island 1
+    assert board.kv["members/6-0"] == b"0,2"
+    for m in (0, 2):
+        board.put(f"got/6-0/{m}", b"1")
+    c.collect(now=5.0)
+    assert len(board.keys("msg/6-0/")) == 2  # island 1 lives and has not read it
+    board.put("got/6-0/1", b"1")
+    c.collect(now=5.1)
+    assert board.keys("msg/") == [] and board.keys("got/") == []
+    # A live island that never reads a round (it healed past it): keep_s bounds it.
+    _arrive(board, "12-0", 0, 2)
+    board.put("msg/12-0/0", b"x")
+    c.decide(now=10.0)
+    c.decide(now=14.1)
+    board.put("got/12-0/0", b"1")
+    board.put("got/12-0/2", b"1")
+    c.collect(now=15.0)
+    assert board.keys("msg/12-0/") == ["msg/12-0/0"]
+    c.collect(now=14.1 + c.keep_s + 0.1)
+    assert board.keys("msg/") == []
+
+
+# ------------------------------------------------------------------- the data plane
+
+
+def _rounds_job(server, count, chunk):
+    """`count` islands' boards, depots and `Rounds`, and the coordinator's loop in a
+    thread (stopped by the event returned)."""
+    boards = [_client(server, m + 1, chunk_bytes=chunk) for m in range(count)]
+    depots = [net.Depot("127.0.0.1", chunk_bytes=chunk) for _ in range(count)]
+    for m, d in enumerate(depots):
+        boards[m].put(f"depot/{m}", d.address.encode())
+    rounds = [
+        board_lib.Rounds(b, d, m, count, timeout_s=20.0)
+        for m, (b, d) in enumerate(zip(boards, depots))
+    ]
+    stop = threading.Event()
+    c = Coordinator(server, count, grace_s=2.0, start_s=0.0, live=server.live)
+    threading.Thread(target=c.run, args=(stop.is_set,), daemon=True).start()
+    return boards, depots, rounds, stop, c
+
+
+def _in_threads(fns):
+    results: list = [None] * len(fns)
+
+    def call(i):
+        results[i] = fns[i]()
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    return results
+
+
+def test_a_round_moves_messages_peer_to_peer_with_one_copy_on_the_board(server):
+    served = []
+    get = server.store.get
+    server.store.get = lambda key, wait_s=0.0: served.append(key) or get(key, wait_s)
+    boards, depots, rounds, stop, c = _rounds_job(server, 3, chunk=1024)
+    rng = np.random.default_rng(1)
+    messages = [rng.integers(0, 256, 50_001, np.uint8) for _ in range(3)]
+    try:
+        outs = _in_threads(
+            [lambda m=m: rounds[m]("6-0", messages[m]) for m in range(3)]
+        )
+        for out, members in outs:
+            assert members == (0, 1, 2)
+            assert np.array_equal(out, np.stack(messages))
+        # The board received each message once and sent none: the peers did.
+        assert not [k for k in served if k.startswith("msg/")]
+        deadline = time.monotonic() + 5
+        while server.keys("msg/") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert server.keys("msg/") == []  # every member read them: freed
+        # A late reader (read only, as a healed island) reads the round from a
+        # member's depot when the owner is gone.
+        depots[2].close()
+        late = board_lib.Rounds(boards[0], net.Depot("127.0.0.1"), 0, 3, timeout_s=5.0)
+        out, _ = late("6-0", messages[0], post=False)
+        assert np.array_equal(out, np.stack(messages))
+    finally:
+        stop.set()
+        for x in [*rounds, *boards, *depots]:
+            x.close()
+
+
+def test_a_round_reads_a_dead_owners_message_from_the_boards_copy(server):
+    boards, depots, rounds, stop, c = _rounds_job(server, 3, chunk=1024)
+    messages = [np.full(20_000, m, np.uint8) for m in range(3)]
+    try:
+        boards[2].put("msg/6-0/2", messages[2])  # island 2 posts its message ...
+        boards[2].put("arrived/6-0/2", b"1")
+        depots[2].close()  # ... and dies before anyone fetched it from there
+        outs = _in_threads(
+            [lambda m=m: rounds[m]("6-0", messages[m]) for m in range(2)]
+        )
+        for out, members in outs:
+            assert members == (0, 1, 2)
+            assert np.array_equal(out, np.stack(messages))
+    finally:
+        stop.set()
+        for x in [*rounds, *boards, *depots]:
+            x.close()
+
+
+def test_a_stopped_owner_is_passed_over_for_the_boards_copy(server):
+    boards, depots, rounds, stop, c = _rounds_job(server, 3, chunk=1024)
+    stopped = socket.socket()  # accepts connections, never answers: SIGSTOPped
+    stopped.bind(("127.0.0.1", 0))
+    stopped.listen(8)
+    messages = [np.full(20_000, m, np.uint8) for m in range(3)]
+    try:
+        boards[2].put("depot/2", f"127.0.0.1:{stopped.getsockname()[1]}".encode())
+        boards[2].put("msg/6-0/2", messages[2])
+        boards[2].put("arrived/6-0/2", b"1")
+        start = time.monotonic()
+        outs = _in_threads(
+            [lambda m=m: rounds[m]("6-0", messages[m]) for m in range(2)]
+        )
+        assert time.monotonic() - start < 4.0  # not a progress timeout or two
+        for out, _ in outs:
+            assert np.array_equal(out, np.stack(messages))
+    finally:
+        stop.set()
+        stopped.close()
+        for x in [*rounds, *boards, *depots]:
+            x.close()

@@ -10,6 +10,7 @@ programs holds a collective: the only bytes between replicas are the courier's.
 """
 
 import time
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +38,8 @@ CASES = {
     "e3m0_ef": dict(compressor="e3m0", error_feedback=True),
     "fp32_tau2": dict(overlap=2),
     "e3m0_tau_per_replica": dict(compressor="e3m0", overlap=(1, 2)),
+    "fp32_tau0": dict(overlap=0),  # DiLoCo: the messages move between the halves
+    "e3m0_ef_tau0": dict(compressor="e3m0", error_feedback=True, overlap=0),
 }
 
 
@@ -154,13 +157,6 @@ def test_courier_on_a_mesh_agrees_and_its_programs_hold_no_collective():
 
 def test_bad_input():
     params = toy_params(jr.key(5))
-    with pytest.raises(ValueError, match="overlap"):
-        toy_streaming(
-            params,
-            num_replicas=M,
-            overlap=0,
-            exchange=distributed.posted_exchange(),
-        )
     with pytest.raises(ValueError, match="posted_exchange"):
         distributed.Courier(toy_streaming(params, num_replicas=M))
     _, alg = _pair(params)
@@ -213,7 +209,9 @@ def test_a_failed_transfer_names_the_fragment_and_leaves_the_state_intact():
         raise RuntimeError("link down")
 
     with courier:
-        courier._gather = broken  # every all-gather of the courier fails
+        # every all-gather of the courier fails
+        gathering = cast(distributed.MeshAllGather, courier.transport)
+        gathering._gather = broken  # pyright: ignore[reportAttributeAccessIssue]
         error, state = _until_error(courier, state, batches)
     message = str(error)
     assert "fragment " in message and "sent at step" in message, message
@@ -228,13 +226,14 @@ def test_a_failed_transfer_names_the_fragment_and_leaves_the_state_intact():
 def test_a_stuck_transfer_times_out_within_the_bound():
     params = toy_params(jr.key(5))
     courier, state, batches = _mesh_run(params, steps=12, timeout=0.5)
-    gather = courier._gather
+    gathering = cast(distributed.MeshAllGather, courier.transport)
+    gather = gathering._gather
 
     def stuck(x):
         time.sleep(6.0)  # a dead peer: the bytes never come in time
         return gather(x)
 
-    courier._gather = stuck
+    gathering._gather = stuck  # pyright: ignore[reportAttributeAccessIssue]
     start = time.perf_counter()
     with pytest.raises(distributed.CourierError, match="within timeout=0.5 s"):
         with courier:
@@ -279,15 +278,15 @@ def test_a_failed_run_keeps_its_last_checkpoint(tmp_path, monkeypatch):
         checkpoint_every=4,
         eval_every=12,
     )
-    move = distributed.Courier._move
+    move = distributed.MeshAllGather.move
 
-    def failing(self, x, event):
-        if event["arrival_step"] > 6:
+    def failing(self, x, fragment, sent):
+        if sent + 1 > 6:  # arriving after step 6 (τ = 1)
             raise RuntimeError("link down")
-        return move(self, x, event)
+        return move(self, x, fragment, sent)
 
     with jax.numpy_dtype_promotion("standard"):
-        monkeypatch.setattr(distributed.Courier, "_move", failing)
+        monkeypatch.setattr(distributed.MeshAllGather, "move", failing)
         with pytest.raises(distributed.CourierError, match="link down"):
             train.run(config, tmp_path, courier=True, progress=False)
         ckpt = Checkpointer(str(tmp_path / "checkpoints"), config.to_json())
@@ -295,6 +294,6 @@ def test_a_failed_run_keeps_its_last_checkpoint(tmp_path, monkeypatch):
             assert ckpt.latest_step() == 4
         finally:
             ckpt.close()
-        monkeypatch.setattr(distributed.Courier, "_move", move)
+        monkeypatch.setattr(distributed.MeshAllGather, "move", move)
         history = train.run(config, tmp_path, courier=True, progress=False)
     assert int(history.state.step) == 12

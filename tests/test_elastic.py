@@ -31,9 +31,8 @@ import pytest
 from helpers import assert_trees_allclose, cpu_env, finish_processes, free_port
 
 from benchmarks import wan
-from sdiloco.distributed.board import RoundLog
+from sdiloco.distributed.board import Membership, RoundLog
 from sdiloco.lab import cli, config as config_lib, elastic as elastic_lib, train
-from sdiloco.lab.elastic import Membership
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -158,18 +157,20 @@ def _assert_survivors_waited_one_grace(out, grace):
 
 
 @pytest.mark.multiprocess
-def test_islands_train_the_simulated_run(tmp_path):
+@pytest.mark.parametrize("tau", [1, 0])
+def test_islands_train_the_simulated_run(tmp_path, tau):
     # float32 messages: with FP4 one rounding flip of a code moves an element by a
     # quantization step, so the comparison would test the quantizer, not the job.
+    # τ = 0 (no overlap): each round between the halves of the step that sends.
     steps = 36
     coordinator, islands, _ = _job(
-        tmp_path, steps, grace=100, extra=["--quantizer=none"]
+        tmp_path, steps, grace=100, extra=["--quantizer=none", f"--overlap={tau}"]
     )
     finish_processes([*islands, coordinator], timeout=400)
     decisions = _summary(tmp_path, "coordinator.json")
     assert decisions and all(d["members"] == [0, 1, 2] for d in decisions)
     assert not any(d["timed_out"] for d in decisions)
-    simulated = train.run(_config(steps, quantizer=None), progress=False)
+    simulated = train.run(_config(steps, quantizer=None, overlap=tau), progress=False)
     like = simulated.state.global_params
     thetas = _assert_equal_thetas(tmp_path, like)  # the same messages averaged
     # One program per island vs the vmapped simulation: float32 rounding apart.
@@ -182,7 +183,7 @@ def test_islands_train_the_simulated_run(tmp_path):
 def test_sigkill_an_island_the_others_go_on_and_it_heals(tmp_path):
     # Long enough that the restarted island (start-up and compile: ~20 s on two
     # busy cores) rejoins before the others finish (~50 steps/s).
-    steps, grace, kill_at = 2400, 4.0, 60
+    steps, grace, kill_at = 2400, 8.0, 60
     coordinator, islands, board = _job(tmp_path, steps, grace=grace)
     restarted = None
     try:
@@ -293,7 +294,7 @@ def test_a_cut_link_leaves_the_island_out_then_it_takes_part_again(tmp_path):
         ),
         (
             ["train", "--board=h:1", "--preset=data_parallel", "--replica=0"],
-            "method.kind='data_parallel' with --board",
+            "method.kind='data_parallel' on an island",
         ),
         (
             ["train", "--board=h:1", "--replica=0", "--grace=10", "--board-timeout=5"],

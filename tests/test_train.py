@@ -326,3 +326,50 @@ def test_a_run_shorter_than_its_syncs_is_warned_about(steps, expected):
         assert warning is not None and expected in warning and "\n" not in warning
         assert "--steps >= 168" in warning
     assert sync_warning(config_lib.preset("data_parallel", steps=5)) is None
+
+
+@pytest.mark.parametrize("preset", ["streaming_overlap_fp4", "diloco"])
+def test_a_transport_of_your_own_moves_the_exchange_and_changes_no_number(preset):
+    # The seam a user extends: a plain function on NumPy arrays moves every
+    # fragment's messages between steps (here it hands them on, counting them);
+    # the run is bitwise the one with the exchange inside the step, for τ >= 1 and
+    # τ = 0 (DiLoCo), and the function sees each send once.
+    cfg = _tiny(preset)
+    moved = []
+
+    def move(messages, fragment, sent):
+        moved.append((fragment, sent, messages.shape))
+        return messages
+
+    plain = run(cfg, progress=False)
+    posted = run(cfg, progress=False, transport=move)
+    for a, b in zip(
+        jax.tree.leaves(eqx.filter(plain.state.global_params, eqx.is_array)),
+        jax.tree.leaves(eqx.filter(posted.state.global_params, eqx.is_array)),
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    timeless = [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in plain.rows]
+    assert timeless == [
+        {k: v for k, v in r.items() if k != "tokens_per_s"} for r in posted.rows
+    ]
+    sent = [(f, s) for f, s, _ in moved]
+    assert len(sent) == len(set(sent)) > 0  # each (fragment, step) once
+    assert all(shape[0] == cfg.method.num_replicas for _, _, shape in moved)
+
+
+def test_step_batches_are_the_replicas_batches_by_step():
+    tokens = np.arange(5000, dtype=np.int32) % 251
+    kw = dict(num_replicas=3, global_batch_size=6, seq_len=16, seed=4)
+    batches = data_lib.replica_batches(tokens, replica=1, **kw)
+    reference = data_lib.make_replica_iterators(tokens, **kw)[1]
+    it = data_lib.StepBatches(batches)
+    first = [next(it) for _ in range(5)]
+    for got in first:
+        want = next(reference)
+        np.testing.assert_array_equal(got["inputs"], want["inputs"])
+    it.seek(2)  # an island healed at step 2 reads step 3's batch next
+    np.testing.assert_array_equal(next(it)["inputs"], first[2]["inputs"])
+    state = it.get_state()
+    after = next(it)
+    it.set_state(state)
+    np.testing.assert_array_equal(next(it)["inputs"], after["inputs"])

@@ -39,26 +39,69 @@ other wait on the board is bounded; a round whose members never come raises
 `BoardError` naming the round, the replica and the key, within `timeout_s`.
 """
 
+import concurrent.futures
 import dataclasses
-import hashlib
 import io
+import sys
 import threading
 import time
 from typing import Any
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.experimental import io_callback
-from jaxtyping import Array, PRNGKeyArray
 
-from .. import communication, participation
-from ..compression import Compressor
-from ..fragments import Fragments
+from .. import streaming
 from . import net
-from .exchange import assemble, replica_keys
-from .wire import Wire
+from .transport import Transport
+
+
+class Keys:
+    """Every key of the board, in one place: what the islands and the coordinator
+    write and read. A round is named `round_name(sent, fragment)`; m is an island."""
+
+    MESSAGES, ARRIVED, GOT = "msg/", "arrived/", "got/"
+    HELLO, DONE, WANT = "hello/", "done/", "heal/want/"
+    START = "start"
+
+    @staticmethod
+    def message(name: str, m: int | None = None) -> str:
+        """Island m's message of round `name` (the board's copy, and the key in
+        every depot), or the round's directory."""
+        return f"msg/{name}" if m is None else f"msg/{name}/{m}"
+
+    @staticmethod
+    def arrived(name: str, m: int | None = None) -> str:
+        return f"arrived/{name}" if m is None else f"arrived/{name}/{m}"
+
+    @staticmethod
+    def got(name: str, m: int | None = None) -> str:
+        """Island m read every message of round `name` (its copies can go)."""
+        return f"got/{name}" if m is None else f"got/{name}/{m}"
+
+    @staticmethod
+    def members(name: str) -> str:
+        return f"members/{name}"
+
+    @staticmethod
+    def island(what: str, m: int) -> str:
+        """`hello`, `joined`, `done` or `depot` (where its depot is) of island m."""
+        return f"{what}/{m}"
+
+    @staticmethod
+    def mail(m: int, what: str = "") -> str:
+        """Island m's mailbox (`serve`: a heal to serve; `behind`), or its prefix."""
+        return f"to/{m}/{what}"
+
+    @staticmethod
+    def heal(what: str, m: int, nonce: str | None = None) -> str:
+        """`want` (island m asks), `ready` (its state is offered: where), `got`
+        (it has it), or the depot key of the state itself (`state`)."""
+        if what == "want":
+            return f"heal/want/{m}"
+        if what == "state":
+            return f"heal/{m}/{nonce}"
+        return f"heal/{what}/{m}/{nonce}"
 
 
 class BoardError(RuntimeError):
@@ -296,186 +339,266 @@ class RoundLog:
     received_bytes: int
 
 
-class BoardExchange:
-    """The `exchange` of a replica island's `streaming_diloco` (see the module).
+class Rounds:
+    """One island's rounds (see the module): its message offered from its own depot
+    and one copy put on the board, the arrival; every member's message fetched from
+    its owner's depot, in parallel, or, when the owner is gone, from the board's
+    copy or from another member that read it (each island offers what it read for
+    `keep_s`, for a peer that reads the round late).
 
-    Build the island's algorithm with `num_replicas=1` and `exchange=` this; the mean
-    it returns is over the members of each round among `num_replicas` islands.
+    The coordinator so carries one copy of each message in, and out only for an
+    island whose owner is gone; the islands carry the rest.
     """
 
     def __init__(
-        self, board: Board, replica: int, num_replicas: int, *, timeout_s: float = 120.0
+        self,
+        board: Board,
+        depot: net.Depot,
+        replica: int,
+        num_replicas: int,
+        *,
+        timeout_s: float,
+        keep_s: float = 30.0,
     ):
         _check_replica(replica, num_replicas)
-        self.board, self.replica, self.num_replicas = board, replica, num_replicas
-        self.timeout_s = timeout_s
-        self.rounds: list[RoundLog] = []
-
-    def __repr__(self) -> str:
-        return f"board_exchange(replica={self.replica}, M={self.num_replicas})"
+        self.board, self.depot, self.timeout_s = board, depot, timeout_s
+        self.replica, self.num_replicas, self.keep_s = replica, num_replicas, keep_s
+        self.log: list[RoundLog] = []
+        self.reply_s = min(2.0, board.progress_s)
+        self._where: dict[int, str] = {}
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max(1, num_replicas - 1), thread_name_prefix="sdiloco-fetch"
+        )
 
     def __call__(
-        self,
-        compressor: Compressor | None,
-        fragments: Fragments,
-        deltas: list[Array],
-        key: PRNGKeyArray,
-    ) -> tuple[list[Array], list[Array]]:
-        _check_island(deltas)
-        count = self.num_replicas
-        wire, keys = _island_wire(
-            self.replica, count, compressor, fragments, deltas, key
-        )
-        message = jax.vmap(wire.encode)(deltas, keys)[0]  # [B]
-        shapes = (
-            jax.ShapeDtypeStruct((count,) + message.shape, jnp.uint8),
-            jax.ShapeDtypeStruct((count,), jnp.bool_),
-        )
-        messages, present = io_callback(
-            self._round, shapes, message, _key_data(key), ordered=False
-        )
-        recon = assemble([wire], fragments, [jax.vmap(wire.decode)(messages)])
-        mean = _mean_over_members(recon, present, count)
-        own = assemble([wire], fragments, [jax.vmap(wire.decode)(message[None])])
-        return mean, own
+        self, name: str, message: Any, *, post: bool = True, inbox: Any = None
+    ) -> tuple[np.ndarray, tuple[int, ...]]:
+        """One round: post `message` (unless `post` is False: read only), wait for
+        the members, read theirs. Returns every island's message `[M, B]` (zeros
+        for those not members; written into `inbox` when given) and the members."""
+        m, start, posted = self.replica, time.perf_counter(), time.time()
+        own = np.ascontiguousarray(message, np.uint8)
+        if post:
+            self.depot.offer(Keys.message(name, m), own)
+            self.board.put(Keys.message(name, m), own)  # the board's copy: the arrival
+            self.board.put(Keys.arrived(name, m), b"1")
+        key = Keys.members(name)
+        members = tuple(_ints(self.board.get(key, self.timeout_s), key))
+        out = np.zeros((self.num_replicas,) + own.shape, np.uint8)
+        out = out if inbox is None else inbox
+        others = [j for j in members if not (j == m and post)]
+        reads = [
+            self._pool.submit(self._read, name, j, members, out[j]) for j in others
+        ]
+        for read in reads:
+            read.result()
+        if post and m in members:
+            out[m] = own
+        for j in set(range(self.num_replicas)) - set(members):
+            out[j] = 0
+        self.board.put(Keys.got(name, m), b"1")
+        self.depot.prune(Keys.MESSAGES, self.keep_s)
+        waited = time.perf_counter() - start
+        self.log.append(RoundLog(name, posted, waited, members, own.size * len(others)))
+        return out, members
 
-    def _round(self, message: np.ndarray, key_data: np.ndarray):
-        """Post this replica's message, wait for the members, read theirs."""
-        name = hashlib.blake2b(
-            np.asarray(key_data).tobytes(), digest_size=8
-        ).hexdigest()
-        out, members = board_round(
-            self.board,
-            self.replica,
-            self.num_replicas,
-            name,
-            message,
-            timeout_s=self.timeout_s,
-            log=self.rounds,
-        )
-        present = np.zeros(self.num_replicas, bool)
-        present[list(members)] = True
-        return out, present
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
-
-def board_round(
-    board: Board,
-    replica: int,
-    num_replicas: int,
-    name: str,
-    message: np.ndarray,
-    *,
-    timeout_s: float,
-    log: list[RoundLog],
-    post: bool = True,
-) -> tuple[np.ndarray, tuple[int, ...]]:
-    """One round on the board: post `message` (unless `post` is False), wait for the
-    coordinator's members, read theirs. Returns every replica's message `[M, B]`
-    (zeros for those not members) and the members."""
-    m, start, posted = replica, time.perf_counter(), time.time()
-    own = np.asarray(message, np.uint8)
-    if post:
-        board.put(f"msg/{name}/{m}", own.tobytes())
-        board.put(f"arrived/{name}/{m}", b"1")
-    members = tuple(_ints(board.get(f"members/{name}", timeout_s), f"members/{name}"))
-    out = np.zeros((num_replicas,) + own.shape, np.uint8)
-    received = 0
-    for j in members:
-        if j == m and post:
-            out[j] = own
-        else:
-            blob = board.get(f"msg/{name}/{j}", timeout_s)
-            if len(blob) != own.size:
-                raise BoardProtocolError(
-                    f"msg/{name}/{j} holds {len(blob)} bytes; allowed: {own.size} "
-                    "(the same run's message on every island)."
+    def _read(self, name: str, j: int, members: tuple[int, ...], row: Any) -> None:
+        """Member j's message into `row`: from j's depot, else the board's copy,
+        else the depot of another member that read it."""
+        key = Keys.message(name, j)
+        if not self._fetch(j, key, row):
+            copy = self.board.try_get(key)
+            if copy is not None:
+                _check_size(key, len(copy), row.size)
+                row[:] = np.frombuffer(copy, np.uint8)
+            elif not any(self._fetch(k, key, row) for k in members if k != j):
+                raise BoardError(
+                    f"{key!r}: island {j}'s message is on no live island nor on "
+                    "the board"
                 )
-            out[j] = np.frombuffer(blob, np.uint8)
-            received += own.size
-    log.append(RoundLog(name, posted, time.perf_counter() - start, members, received))
-    return out, members
+        self.depot.offer(key, row)  # for a peer that reads the round late
+
+    def _fetch(self, k: int, key: str, row: Any) -> bool:
+        """Whether island k's depot gave `key` into `row`. A depot that does not
+        answer within `reply_s` (its process stopped, its link down) is passed
+        over at once: the board's copy is there."""
+        if k == self.replica:
+            return False
+        for fresh in (False, True):
+            where = self._address(k, fresh)
+            if where is None:
+                return False
+            try:
+                got = net.fetch(
+                    where,
+                    key,
+                    progress_s=self.board.progress_s,
+                    reply_s=self.reply_s,
+                    into=row,
+                )
+            except TimeoutError:
+                return False
+            except OSError:
+                continue  # gone, or restarted elsewhere: ask the board again
+            if got is None:
+                return False
+            _check_size(key, len(got), row.size)
+            return True
+        return False
+
+    def _address(self, k: int, fresh: bool) -> str | None:
+        if fresh or k not in self._where:
+            where = self.board.try_get(Keys.island("depot", k))
+            if where is None:
+                return None
+            self._where[k] = bytes(where).decode()
+        return self._where[k]
 
 
-class BoardPosted:
-    """The posted form of `board_exchange` (a `PostedExchange`), for τ >= 1.
+class BoardTransport(Transport):
+    """The transport of island `replica` of an elastic job of `num_replicas` (a
+    `transport.Transport`): it moves each fragment posted as one round (`Rounds`,
+    named by the step that sent it and the fragment), and it is how the island
+    joins the job and keeps up with it (`lab.train.run(..., transport=...)` calls
+    `join` once and `between_steps` after every step):
 
-    The island's step only encodes its message (with one more byte, 1, that marks
-    it present); a `Courier` with a `BoardTransport` moves the round while the next
-    τ steps compute and delivers every member's message into the inbox (`[K, M, B]`,
-    M the islands: `inbox_rows`); the step of the outer update decodes them and
-    averages over the members, as `board_exchange` does within the sending step.
-    The same bytes and the same mean, so the same numbers. Without host callbacks
-    in its programs, the island's step can be kept by JAX's persistent compilation
-    cache, so a restarted island loads it instead of compiling it.
-    """
+    - `join`: an island the board has seen before (`joined/<m>`) was restarted: it
+      heals from a live peer; then it says hello and waits until the whole job has;
+    - `between_steps`: the coordinator's mail. A heal to serve is offered from the
+      island's depot (a failure is one line and never ends the island); word that it
+      fell behind makes it heal as a restarted island does;
+    - `news`: one line when a round leaves a peer out, one when a peer is back.
 
-    def __init__(self, replica: int, num_replicas: int):
-        _check_replica(replica, num_replicas)
-        self.replica, self.num_replicas = replica, num_replicas
+    A healed state's in-flight fragments are its peer's messages: rounds sent at or
+    before the step it healed at are read, not posted (`quiet_until`).
 
-    def __repr__(self) -> str:
-        return f"board_posted(replica={self.replica}, M={self.num_replicas})"
-
-    def _wire(self, compressor, fragments, deltas, key):
-        m, count = self.replica, self.num_replicas
-        return _island_wire(m, count, compressor, fragments, deltas, key)
-
-    def message_bytes(self, compressor, fragments, deltas, key) -> int:
-        def size(deltas, key):
-            wire, keys = self._wire(compressor, fragments, deltas, key)
-            return wire.encode([x[0] for x in deltas], [k[0] for k in keys])
-
-        return int(jax.eval_shape(size, deltas, key).shape[0]) + 1
-
-    def encode(self, compressor, fragments, deltas, key):
-        _check_island(deltas)
-        wire, keys = self._wire(compressor, fragments, deltas, key)
-        messages = jax.vmap(wire.encode)(deltas, keys)  # [1, b]
-        own = assemble([wire], fragments, [jax.vmap(wire.decode)(messages)])
-        present = jnp.ones((1, 1), jnp.uint8)
-        return jnp.concatenate([messages, present], axis=1), own
-
-    def decode_mean(self, compressor, fragments, messages, deltas, key):
-        wire, _ = self._wire(compressor, fragments, deltas, key)
-        present = messages[:, -1] == 1
-        recon = assemble([wire], fragments, [jax.vmap(wire.decode)(messages[:, :-1])])
-        return _mean_over_members(recon, present, self.num_replicas)
-
-    def inbox_rows(self, num_replicas: int) -> int:
-        return self.num_replicas
-
-
-class BoardTransport:
-    """A `Courier`'s transport for an island: each posted fragment is one round on
-    the board (`board_round`), named by the step that sent it and the fragment.
-
-    `quiet_until`: rounds sent at or before this step are only read, not posted (a
-    healed island's in-flight fragments are its peer's messages, not its own).
+    Args:
+        board: the island's connection to the board.
+        depot: where its messages and the heals it serves leave from.
+        timeout_s: the longest any wait on the board lasts (`BoardError`).
+        start_s: how long `join` waits for the whole job's hello.
+        say: where the island's lines go (default: stderr, prefixed "island m:").
     """
 
     def __init__(
-        self, board: Board, replica: int, num_replicas: int, *, timeout_s: float
+        self,
+        board: Board,
+        replica: int,
+        num_replicas: int,
+        *,
+        depot: net.Depot,
+        timeout_s: float,
+        start_s: float = 300.0,
+        say: Any = None,
     ):
-        self.board, self.replica, self.num_replicas = board, replica, num_replicas
-        self.timeout_s = timeout_s
+        super().__init__()
+        self.board, self.depot = board, depot
+        self.replica, self.num_replicas = replica, num_replicas
+        self.island = (replica, num_replicas)
+        self.timeout_s, self.start_s = timeout_s, start_s
+        self.round = Rounds(board, depot, replica, num_replicas, timeout_s=timeout_s)
+        self.rounds = self.round.log
         self.quiet_until = 0
-        self.rounds: list[RoundLog] = []
+        self.healed: dict[str, Any] = {}
+        """`seconds`, `bytes` and `why` of the last heal (empty: none)."""
+        self.served = 0
+        """Bytes of the heals this island served."""
+        self.joined_at: float | None = None
+        """`time.time()` when it joined the rounds (after a heal, if any)."""
+        self.first_step = 0
+        """The step it joined at (a restarted island: its peer's)."""
+        self.ready_at = 0.0
+        """`time.perf_counter()` when `join` began: its programs were ready."""
+        self._members = Membership(num_replicas)
+        self._say = say or (
+            lambda text: print(f"island {replica}: {text}", file=sys.stderr, flush=True)
+        )
 
     def __repr__(self) -> str:
         return f"the board's islands (replica {self.replica} of {self.num_replicas})"
 
-    def __call__(self, messages: np.ndarray, fragment: int, sent: int) -> np.ndarray:
-        out, _ = board_round(
-            self.board,
-            self.replica,
-            self.num_replicas,
-            f"{sent}-{fragment}",
-            messages[0],
-            timeout_s=self.timeout_s,
-            log=self.rounds,
-            post=sent > self.quiet_until,
-        )
+    def move(self, messages: Any, fragment: int, sent: int) -> np.ndarray:
+        name = round_name(sent, fragment)
+        post = sent > self.quiet_until
+        out, _ = self.round(name, np.asarray(messages)[0], post=post)
         return out
+
+    def join(self, state: Any, spec: Any) -> Any:
+        self.ready_at = time.perf_counter()  # its programs are compiled (or loaded)
+        board, m = self.board, self.replica
+        if board.try_get(Keys.island("joined", m)) is not None:
+            state = self.heal(state, spec, "restarted")
+        board.put(Keys.island("joined", m), b"1")
+        board.put(Keys.island("hello", m), b"1")
+        board.get(Keys.START, self.start_s)  # every island starts together
+        self.joined_at, self.first_step = time.time(), int(state.step)
+        return state
+
+    def between_steps(self, state: Any, spec: Any) -> Any:
+        self.board.check()  # `BoardLost` once the board has been gone too long
+        mail = self.board.take_mail()
+        if "serve" in mail:
+            try:
+                self.served += serve_heal(self.board, self.depot, mail["serve"], state)
+            except BoardLost:
+                raise
+            except Exception as e:  # noqa: BLE001 - serving never ends the island
+                self._say(f"a heal it served failed: {e}")
+        if "behind" not in mail:
+            return state
+        self._say(f"behind by {mail['behind'].decode()} s at step {int(state.step)}")
+        state = self.heal(state, spec, "behind")
+        self.board.put(Keys.island("hello", self.replica), b"1")
+        return state
+
+    def heal(self, state: Any, spec: Any, why: str) -> Any:
+        """A live peer's state with θ_g as this island's parameters (`heal="copy"`
+        of the simulation: the peer's inner state), on this island's device."""
+        asked = time.perf_counter()
+        state, size = request_heal(self.board, self.replica, state, self.timeout_s)
+        state = streaming.adopt_global(spec, state)
+        state = jax.device_put(jax.device_get(state), jax.local_devices()[0])
+        self.quiet_until = int(state.step)
+        seconds = time.perf_counter() - asked
+        self.healed = {"seconds": seconds, "bytes": size, "why": why}
+        self._say(f"healed at step {int(state.step)} ({size} bytes)")
+        return state
+
+    def news(self) -> list[str]:
+        return self._members.news(self.rounds)
+
+    def close(self) -> None:
+        """Stop fetching (the depot and the board are the caller's)."""
+        self.round.close()
+
+
+class Membership:
+    """Who took part in the rounds an island has seen, and what changed: one line
+    when a round leaves a peer out, one when a peer is back."""
+
+    def __init__(self, num_replicas: int):
+        self.last, self.seen = set(range(num_replicas)), 0
+
+    def news(self, rounds: list[Any]) -> list[str]:
+        """Lines for the rounds (`RoundLog`s, in order) not read yet."""
+        lines = []
+        for r in rounds[self.seen :]:
+            now = set(r.members)
+            left, back = sorted(self.last - now), sorted(now - self.last)
+            lines += [f"round {r.round} went on without island {k}" for k in left]
+            lines += [f"island {k} is back (round {r.round})" for k in back]
+            self.last = now
+        self.seen = len(rounds)
+        return lines
+
+
+def round_name(sent: int, fragment: int) -> str:
+    """The name of the round of fragment `fragment` sent at step `sent`: the same
+    on every island, whatever τ."""
+    return f"{sent}-{fragment}"
 
 
 def _check_replica(replica: int, num_replicas: int) -> None:
@@ -483,40 +606,6 @@ def _check_replica(replica: int, num_replicas: int) -> None:
         raise ValueError(
             f"replica={replica}; allowed: 0 ... num_replicas - 1 = {num_replicas - 1}."
         )
-
-
-def _island_wire(replica, num_replicas, compressor, fragments, deltas, key):
-    """The packed format of island `replica`'s message and its PRNG keys (those the
-    simulation gives that replica, so the bytes are the simulation's)."""
-    keys = [
-        k[replica : replica + 1] for k in replica_keys(key, len(deltas), num_replicas)
-    ]
-    return Wire(compressor, fragments, deltas, keys, 0), keys
-
-
-def _check_island(deltas: list[Array]) -> None:
-    if deltas[0].shape[0] != 1:
-        raise ValueError(
-            f"a board exchange carries one replica per island; got "
-            f"{deltas[0].shape[0]} (build the island with num_replicas=1)."
-        )
-
-
-def _mean_over_members(
-    recon: list[Array], present: Array, num_replicas: int
-) -> list[Array]:
-    """The mean of the members' reconstructions: absent ones as zeros, the mean
-    rescaled to the members (`participation.over_senders`), as the simulation."""
-    recon = [participation.where_replicas(present, r, jnp.zeros_like(r)) for r in recon]
-    mean = communication.average(recon)
-    return participation.over_senders(mean, jnp.sum(present), num_replicas)
-
-
-def board_exchange(
-    board: Board, replica: int, num_replicas: int, *, timeout_s: float = 120.0
-) -> BoardExchange:
-    """The exchange of replica island `replica` of `num_replicas` over `board`."""
-    return BoardExchange(board, replica, num_replicas, timeout_s=timeout_s)
 
 
 # ---------------------------------------------------------------------- healing
@@ -536,14 +625,14 @@ def request_heal(
     deadline = time.monotonic() + timeout_s
     while True:
         nonce = f"{time.time_ns()}"
-        board.put(f"heal/want/{replica}", nonce.encode())
-        ready = f"heal/ready/{replica}/{nonce}"
+        board.put(Keys.heal("want", replica), nonce.encode())
+        ready = Keys.heal("ready", replica, nonce)
         where = board.get(ready, max(0.0, deadline - time.monotonic()))
         board.delete(ready)
         try:
             blob = net.fetch(
                 bytes(where).decode(),
-                f"heal/{replica}/{nonce}",
+                Keys.heal("state", replica, nonce),
                 progress_s=board.progress_s,
                 chunk_bytes=board.chunk,
             )
@@ -551,12 +640,12 @@ def request_heal(
             blob = None  # the peer is gone: ask again
         if blob is not None:
             break
-    board.put(f"heal/got/{replica}/{nonce}", b"1")
+    board.put(Keys.heal("got", replica, nonce), b"1")
     try:
         state = eqx.tree_deserialise_leaves(io.BytesIO(blob), _host(template))
     except (RuntimeError, ValueError, TypeError, EOFError) as e:
         raise BoardProtocolError(
-            f"heal/{replica}/{nonce}: {len(blob)} bytes that are not a state of this "
+            f"{Keys.heal('state', replica, nonce)}: {len(blob)} bytes that are not a state of this "
             f"run ({e}); allowed: a peer of the same run (the same flags everywhere)."
         ) from None
     return state, len(blob)
@@ -574,14 +663,22 @@ def serve_heal(board: Any, depot: net.Depot, ask: bytes, state: Any) -> int:
         )
     buffer = io.BytesIO()
     eqx.tree_serialise_leaves(buffer, _host(state))
-    depot.offer(f"heal/{peer}/{nonce}", buffer.getbuffer())
-    board.put(f"heal/ready/{peer}/{nonce}", depot.address.encode())
+    depot.offer(Keys.heal("state", int(peer), nonce), buffer.getbuffer())
+    board.put(Keys.heal("ready", int(peer), nonce), depot.address.encode())
     return buffer.getbuffer().nbytes
 
 
 def _cause(e: Exception) -> str:
     """The runtime's error in one short line."""
     return f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+
+
+def _check_size(key: str, size: int, expected: int) -> None:
+    if size != expected:
+        raise BoardProtocolError(
+            f"{key!r} holds {size} bytes; allowed: {expected} (the same run's "
+            "message on every island: the same flags everywhere)."
+        )
 
 
 def _ints(blob: bytes | bytearray, key: str) -> list[int]:
@@ -597,9 +694,3 @@ def _ints(blob: bytes | bytearray, key: str) -> list[int]:
 def _host(tree: Any) -> Any:
     """The state's arrays as NumPy, for serialisation."""
     return jax.device_get(tree)
-
-
-def _key_data(key: Array) -> Array:
-    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-        return jax.random.key_data(key)
-    return jnp.asarray(key)

@@ -8,8 +8,8 @@ The coordinator holds no replica and no training state. It serves the board
 - `decide`: a round's members are the islands whose message arrived before every
   island it waits for had, or before `grace_s` after the first one;
 - `route`: a heal request goes to a live peer (`HealRouter`);
-- `collect`: a round's messages leave the board once every member has read them
-  (or `keep_s` after its decision).
+- `collect`: the board's copies of a round's messages are deleted once every
+  member and every live island has read them (or `keep_s` after its decision).
 
 A round is named `<sent step>-<fragment>` by the islands (`board.round_name`).
 """
@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import net
-from .board import BoardError
+from .board import BoardError, Keys
 
 
 @dataclasses.dataclass
@@ -102,10 +102,10 @@ class Coordinator:
     does, and is waited for again when it says hello. So a late island never costs
     the others a second grace window.
 
-    No round is decided before every island has said hello (it has compiled its
-    step and is about to train) or `start_s` has passed, so that the islands'
-    unequal start-up is not taken for a failure. The loop ends when every island
-    still connected has posted `done/<m>`.
+    No island takes its first step, and no round is decided, before every island
+    has said hello (it has compiled its step) or `start_s` has passed (`started`),
+    so that the islands' unequal start-up is not taken for a failure. The loop ends
+    when every island still connected has posted `done/<m>`.
 
     Args:
         board: the board (a `BoardServer`, or any object with its calls).
@@ -135,6 +135,7 @@ class Coordinator:
         self.behind: set[int] = set()
         self.first: dict[str, float] = {}
         self.decided: dict[str, tuple[float, tuple[int, ...]]] = {}
+        self.kept: set[str] = set()  # decided rounds whose copies are on the board
         self.decisions: list[Decision] = []
         self.route, self.recent = HealRouter(), ()
         self.began = time.perf_counter()
@@ -149,21 +150,28 @@ class Coordinator:
                 break
             self.greet()
             self.route(self.board, self.expected & self.live(), self.recent)
-            if (
-                len(self.greeted) < self.num_replicas
-                and now - self.began < self.start_s
-            ):
-                continue  # still starting
+            if not self.started(now):
+                continue
             self.decide(now)
             self.collect(now)
         return self.decisions
 
     def finished(self) -> bool:
-        done = {_id(k) for k in self.board.keys("done/")}
+        done = {_id(k) for k in self.board.keys(Keys.DONE)}
         return bool(done) and (self.expected | self.live()) <= done
 
+    def started(self, now: float) -> bool:
+        """Whether every island has said hello, or `start_s` has passed: then the
+        board says `start`, which the islands wait for before their first step, so
+        that they begin together however unequal their start-up was."""
+        if len(self.greeted) < self.num_replicas and now - self.began < self.start_s:
+            return False
+        if self.board.try_get(Keys.START) is None:
+            self.board.put(Keys.START, b"1")
+        return True
+
     def greet(self) -> None:
-        for key in self.board.keys("hello/"):
+        for key in self.board.keys(Keys.HELLO):
             m = _id(key)
             self.greeted.add(m)
             self.expected.add(m)
@@ -173,7 +181,7 @@ class Coordinator:
     def decide(self, now: float) -> None:
         for name, arrived in _arrivals(self.board).items():
             if name in self.decided:
-                self.board.delete(f"arrived/{name}")
+                self.board.delete(Keys.arrived(name))
                 self._late(name, arrived, now)
                 continue
             start = self.first.setdefault(name, now)
@@ -181,32 +189,37 @@ class Coordinator:
             if not (self.expected <= arrived or timed_out):
                 continue
             members = tuple(sorted(arrived))
-            self.board.put(f"members/{name}", _bytes(members))
-            self.board.delete(f"arrived/{name}")
+            self.board.put(Keys.members(name), _bytes(members))
+            self.board.delete(Keys.arrived(name))
             if timed_out:
                 self.expected = set(arrived)
             self.decided[name], self.recent = (now, members), members
+            self.kept.add(name)
             self.decisions.append(Decision(name, members, now - start, timed_out))
 
     def collect(self, now: float) -> None:
-        """Delete the messages of rounds every member has read (`got/<round>/<m>`),
-        and of every round decided more than `keep_s` ago."""
+        """Delete the board's copies of a round's messages once every member and
+        every live island has read them (`got/<round>/<m>`), or `keep_s` after its
+        decision (a member died before it read them; a healed island never reads
+        the rounds before its heal). A live island left out of a round reads it
+        too, late, and its members may have finished and gone by then, depots and
+        all: the board's copy is what it reads. Decisions stay: an island far
+        behind still finds the members of a round it reads late, and its late
+        arrival is known for what it is."""
         got: dict[str, set[int]] = {}
-        for key in self.board.keys("got/"):
+        for key in self.board.keys(Keys.GOT):
             _, name, m = key.split("/")
             got.setdefault(name, set()).add(int(m))
+        live = self.live()
         for name, ids in got.items():
-            at, members = self.decided.get(name, (now, ()))
-            if set(members) <= ids or now - at > self.keep_s:
-                self.board.delete(f"msg/{name}")
-                self.board.delete(f"got/{name}")
-        for name in [
-            n for n, (at, _) in self.decided.items() if now - at > self.keep_s
-        ]:
-            self.board.delete(f"msg/{name}")
-            self.board.delete(f"members/{name}")
-            del self.decided[name]
-            self.first.pop(name, None)
+            at, members = self.decided.get(name, (-1e9, ()))
+            if set(members) | live <= ids or now - at > self.keep_s:
+                self.board.delete(Keys.message(name))
+                self.board.delete(Keys.got(name))
+                self.kept.discard(name)
+        for name in [n for n in self.kept if now - self.decided[n][0] > self.keep_s]:
+            self.board.delete(Keys.message(name))
+            self.kept.discard(name)
 
     def _late(self, name: str, arrived: set[int], now: float) -> None:
         lag = now - self.decided[name][0]
@@ -215,7 +228,7 @@ class Coordinator:
                 self.expected.add(m)  # about one round behind: wait for it again
             elif m not in self.behind:
                 self.behind.add(m)
-                self.board.put(f"to/{m}/behind", f"{lag:.1f}".encode())
+                self.board.put(Keys.mail(m, "behind"), f"{lag:.1f}".encode())
 
 
 def coordinate(
@@ -257,18 +270,18 @@ class HealRouter:
     def __call__(
         self, board: Any, live: set[int], recent: tuple[int, ...] = ()
     ) -> None:
-        askers = {_id(k): v for k, v in board.items("heal/want/")}
+        askers = {_id(k): v for k, v in board.items(Keys.WANT)}
         for peer, (asker, nonce) in list(self.routed.items()):
-            if board.try_get(f"heal/got/{asker}/{nonce}") is not None:
-                board.delete(f"heal/got/{asker}/{nonce}")
+            if board.try_get(Keys.heal("got", asker, nonce)) is not None:
+                board.delete(Keys.heal("got", asker, nonce))
                 del self.routed[peer]  # served
             elif asker in askers:  # the asker asked again: its fetch failed
-                board.delete(f"to/{peer}/serve")
+                board.delete(Keys.mail(peer, "serve"))
                 del self.routed[peer]
             elif peer not in live or peer in askers:  # it died, or came back
-                board.delete(f"to/{peer}/serve")
+                board.delete(Keys.mail(peer, "serve"))
                 del self.routed[peer]
-                board.put(f"heal/want/{asker}", nonce.encode())
+                board.put(Keys.heal("want", asker), nonce.encode())
                 askers[asker] = nonce.encode()
         busy = set(askers) | set(self.routed) | {a for a, _ in self.routed.values()}
         for asker in sorted(askers):
@@ -276,15 +289,15 @@ class HealRouter:
             if not peers:
                 continue  # when a peer is free
             nonce = bytes(askers[asker]).decode()
-            board.delete(f"heal/want/{asker}")
-            board.put(f"to/{peers[0]}/serve", f"{asker}:{nonce}".encode())
+            board.delete(Keys.heal("want", asker))
+            board.put(Keys.mail(peers[0], "serve"), f"{asker}:{nonce}".encode())
             self.routed[peers[0]] = (asker, nonce)
             busy.add(peers[0])
 
 
 def _arrivals(board: Any) -> dict[str, set[int]]:
     out: dict[str, set[int]] = {}
-    for key in board.keys("arrived/"):
+    for key in board.keys(Keys.ARRIVED):
         parts = key.split("/")
         if len(parts) == 3:
             out.setdefault(parts[1], set()).add(int(parts[2]))

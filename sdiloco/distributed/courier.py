@@ -5,16 +5,21 @@ inside the step that sends it: the step ends only when every message has arrived
 nothing is hidden even with τ >= 1. Here the exchange is split in three, around the
 steps that overlap it:
 
-1. the step that sends a fragment **encodes**: each replica's packed message goes into
-   the state's outbox (`posted_exchange`, a `PostedExchange`; no collective);
-2. a `Courier` **moves** the messages while the next τ steps compute: it copies the
-   fragment's outbox slot to a *communication device* of each process and starts the
-   all-gather there, from a thread of its own;
-3. the step of the outer update (t + τ) runs as two programs: its inner step is
-   dispatched first; the courier then waits for what has not arrived yet and copies
-   every replica's message into the state's inbox; the second program **decodes**
+1. the step that sends a fragment **encodes**, in its first half (its inner step and
+   its sends, `streaming.local_phase`): each replica's packed message goes into the
+   state's outbox (`posted_exchange`, a `PostedExchange`; no collective);
+2. a `Courier` hands the outbox slot to its `Transport` as soon as that half is
+   dispatched, which **moves** the messages while the next τ steps compute, from a
+   thread of its own (an all-gather on a *communication device* of each process,
+   `MeshAllGather`; a round on the board of an elastic job; or nothing to move in the
+   simulation, `InProcess`);
+3. the step of the outer update (t + τ) runs as two programs: its first half is
+   dispatched; the courier then waits for what has not arrived yet and copies
+   every replica's message into the state's inbox; the second half **decodes**
    and averages them and takes the outer step and the merge (`streaming.receive`).
-   So the bytes have τ whole inner steps to cross the link, as in Alg. 2.
+   So the bytes have τ whole inner steps to cross the link, as in Alg. 2. With
+   τ = 0 (DiLoCo) the step that sends is the step of the outer update: it waits
+   between its two halves, and no program holds a host callback.
 
 Why a second device and a thread. A collective ties up the device that runs it until
 the bytes have crossed the link; on the compute devices it would stall the inner steps.
@@ -45,109 +50,22 @@ it again.
 
 import concurrent.futures
 import contextlib
-import functools
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from jaxtyping import Array, PRNGKeyArray
+from jax.sharding import Mesh
 
-from .. import communication
-from ..base import Algorithm, PostedExchange
-from ..compression import Compressor
-from ..fragments import Fragments
+from ..base import Algorithm
 from ..jit import JittedStep
 from ..streaming import StreamingSpec, local_phase, sync_phase
-from .exchange import assemble, replica_keys
 from .mesh import AXIS, replica_mesh, sharded_step
-from .wire import Wire
-
-
-class _Posted:
-    """`PostedExchange` with the packed wire format of `sharded_exchange`."""
-
-    def __init__(self, mesh: Mesh | None):
-        self.mesh = mesh
-
-    def __repr__(self) -> str:
-        return f"posted_exchange({'mesh' if self.mesh is not None else ''})"
-
-    @staticmethod
-    def _wire(compressor, fragments, deltas, key):
-        keys = replica_keys(key, len(deltas), deltas[0].shape[0])
-        return Wire(compressor, fragments, deltas, keys, 0), keys
-
-    def message_bytes(
-        self, compressor: Compressor | None, fragments: Fragments, deltas, key
-    ) -> int:
-        def size(deltas, key):
-            wire, keys = self._wire(compressor, fragments, deltas, key)
-            one = [x[0] for x in deltas], [k[0] for k in keys]
-            return wire.encode(*one)
-
-        return int(jax.eval_shape(size, deltas, key).shape[0])
-
-    def encode(
-        self,
-        compressor: Compressor | None,
-        fragments: Fragments,
-        deltas: list[Array],
-        key: PRNGKeyArray,
-    ) -> tuple[Array, list[Array]]:
-        wire, keys = self._wire(compressor, fragments, deltas, key)
-
-        def local(deltas, keys):
-            messages = jax.vmap(wire.encode)(deltas, keys)
-            own = assemble([wire], fragments, [jax.vmap(wire.decode)(messages)])
-            return messages, own
-
-        if self.mesh is None:
-            return local(deltas, keys)
-        split = PartitionSpec(AXIS)
-        return jax.shard_map(
-            local,
-            mesh=self.mesh,
-            in_specs=(split, split),
-            out_specs=(split, split),
-            check_vma=False,
-        )(deltas, keys)
-
-    def decode_mean(
-        self,
-        compressor: Compressor | None,
-        fragments: Fragments,
-        messages: Array,
-        deltas,
-        key: PRNGKeyArray,
-    ) -> list[Array]:
-        wire, _ = self._wire(compressor, fragments, deltas, key)
-        recon = assemble([wire], fragments, [jax.vmap(wire.decode)(messages)])
-        return communication.average(recon)
-
-    def inbox_rows(self, num_replicas: int) -> int:
-        return num_replicas
-
-
-def posted_exchange(mesh: Mesh | None = None) -> PostedExchange:
-    """The posted exchange: pass it as `streaming_diloco(..., exchange=...)`.
-
-    Args:
-        mesh: the compute mesh the replicas are sharded over (`courier_meshes`), or
-            None for the simulation on one device.
-
-    Returns:
-        A `PostedExchange`. The algorithm's state gains an outbox `[M, K, B]` and an
-        inbox `[K, M, B]` of packed messages (K in-flight slots, B the bytes of the
-        largest fragment's message); a `Courier` moves one to the other.
-    """
-    return _Posted(mesh)
+from .posted import posted_exchange as posted_exchange
+from .transport import MeshAllGather, Transport, as_transport
 
 
 def courier_meshes(
@@ -231,11 +149,11 @@ class Courier:
 
     `state, metrics = courier(state, batch)` is one training step, as two jitted
     programs: the step's first half (`streaming.local_phase`: the inner step and the
-    encoding of what is sent) is dispatched; then the messages due at this step are
+    encoding of what is sent) is dispatched, and the messages of the fragments it
+    sent start moving (`Transport.move`); then the messages due at this step are
     put into the inbox (waiting only for those still on the way, while that inner
-    step computes); then the second half (`streaming.sync_phase`: decode, outer
-    step, merge) is dispatched, and the messages of the fragments this step sent
-    start moving. `events` records, per message, when it was posted, when it had
+    step computes; with τ = 0, the ones it has just sent); then the second half
+    (`streaming.sync_phase`: decode, outer step, merge) is dispatched. `events` records, per message, when it was posted, when it had
     arrived and how long the training loop waited for it (seconds of
     `time.perf_counter`).
 
@@ -243,7 +161,8 @@ class Courier:
     arrive in time, or whose transfer fails, raises a `CourierError` naming the
     fragment, the steps and the peer processes. The state passed in is then intact:
     at a step whose messages are still on the way the first program does not donate
-    it, so the caller can checkpoint it or stop. Use the courier as a context
+    it (nor at a step that sends with τ = 0), so the caller can checkpoint it or
+    stop. Use the courier as a context
     manager (`with Courier(...) as courier:`): leaving it waits for the transfers
     (bounded) and stops its thread, also on an error.
 
@@ -259,18 +178,17 @@ class Courier:
     for the training loop).
 
     Args:
-        algorithm: built with `exchange=posted_exchange(mesh)`.
-        mesh: the compute mesh (None: the simulation on one device, where delivering
-            is a copy in the same program order).
+        algorithm: built with `exchange=posted_exchange(...)`.
+        mesh: the compute mesh (None: one program's replicas, or one island's).
         comm_mesh: one communication device per process (`courier_meshes`); needed
-            with a mesh.
+            with a mesh, whose transport is then an all-gather over it
+            (`MeshAllGather`).
         fsdp: as `sharded_step`.
         timeout: seconds a step waits for a message before it raises.
-        transport: without a mesh, what moves the messages instead of a collective:
-            `transport(messages, fragment, sent)` gets this program's messages of a
-            fragment (NumPy `[M, B]` uint8) and returns every sender's (`[R, B]`,
-            R = the exchange's `inbox_rows`), on the courier's thread
-            (`distributed.board.BoardTransport`, the islands of an elastic job).
+        transport: without a mesh, what moves the messages (a `Transport`, or a
+            function `move(messages, fragment, sent) -> messages` on NumPy arrays;
+            `distributed.board.BoardTransport` for the islands of an elastic job).
+            Default: `InProcess`, the simulation's replicas in one program.
     """
 
     def __init__(
@@ -281,7 +199,9 @@ class Courier:
         *,
         fsdp: bool = False,
         timeout: float = 600.0,
-        transport: Callable[[np.ndarray, int, int], np.ndarray] | None = None,
+        transport: Transport
+        | Callable[[np.ndarray, int, int], np.ndarray]
+        | None = None,
     ):
         spec = algorithm.spec
         if not isinstance(spec, StreamingSpec) or not spec.posted:
@@ -300,11 +220,13 @@ class Courier:
                 "transport= with a mesh; allowed: one of the two (a mesh moves the "
                 "messages with an all-gather)."
             )
-        self.spec, self.mesh, self.comm_mesh = spec, mesh, comm_mesh
-        self.transport = transport
+        if mesh is not None and comm_mesh is not None:
+            transport = MeshAllGather(mesh, comm_mesh)
+        self.spec, self.mesh = spec, mesh
+        self.transport = as_transport(transport)
         self.timeout = timeout
         self.events: list[dict[str, Any]] = []
-        self.lock = threading.Lock()
+        self.lock = self.transport.lock
         self.failed = False  # a message failed or timed out (a CourierError raised)
         self._pending: dict[int, list[_Message]] = {}
         self._t: int | None = None
@@ -312,13 +234,10 @@ class Courier:
         self.programs = _programs(spec, mesh, fsdp, donate=True)
         self._keeping = _programs(spec, mesh, fsdp, donate=False)[0]
         self._pool = None
-        if comm_mesh is not None or transport is not None:
+        if self.transport.threaded:
             self._pool = concurrent.futures.ThreadPoolExecutor(
                 1, thread_name_prefix="sdiloco-courier"
             )
-        if comm_mesh is not None:
-            whole = NamedSharding(comm_mesh, PartitionSpec())
-            self._gather = jax.jit(lambda x: x, out_shardings=whole)
 
     def __enter__(self) -> "Courier":
         return self
@@ -330,8 +249,8 @@ class Courier:
             self.stop()
 
     def __call__(self, state: Any, batch: Any) -> tuple[Any, Any]:
-        """One step: its inner half, the delivery of what is due, its sync half,
-        then the posting of what it sent."""
+        """One step: its inner half, the posting of what it sent, the delivery of
+        what is due (with τ = 0, what it has just sent), its sync half."""
         if state is not self._last:  # a state this courier did not return
             self._start(state)
         assert self._t is not None
@@ -341,29 +260,28 @@ class Courier:
         for m in due:
             if m not in waiting:  # arrived or failed already: fail before any compute
                 self._result(m, t)
-        first = self._keeping if waiting else self.programs[0]
+        now = self.spec.schedule.min_overlap == 0 and np.any(self.spec.schedule.sent(t))
+        first = self._keeping if waiting or now else self.programs[0]
         mid, local = first(state, batch)
+        self._post(mid, t)  # the outbox is written: its messages start moving
         mid = self._deliver(mid, t)  # may raise: `state` is still valid then
         new, metrics = self.programs[1](mid, local)
-        self._post(new, t)
         self._t, self._last = t, new
         return new, metrics
 
     def warm_up(self, state: Any, batch: Any) -> None:
         """Compile every program a step may run, on a throwaway `state` (consumed;
         nothing is posted): both halves, the first half that keeps its input (a step
-        whose messages are on the way), and, without a mesh, the copies out of the
+        whose messages are on the way), and the transport's copies out of the
         outbox and into the inbox. A process that joins a running job calls it before
         it joins, so that its first steps do not fall behind its peers."""
         mid, local = self._keeping(state, batch)
         jax.block_until_ready(self.programs[1](mid, local))
         mid, local = self.programs[0](state, batch)
-        if self.mesh is None:
-            self._measure(mid)
-            for k, size in {(int(k), int(n)) for k, n in zip(self._slots, self._sizes)}:
-                _take(mid.outbox, k, size, None)
-                rows = np.zeros((mid.inbox.shape[1], size), np.uint8)
-                mid = mid._replace(inbox=_put(mid.inbox, rows, k, size, None))
+        self._measure(mid)
+        for k, size in {(int(k), int(n)) for k, n in zip(self._slots, self._sizes)}:
+            inbox = self.transport.warm_up(mid.outbox, mid.inbox, k, size)
+            mid = mid._replace(inbox=inbox)
         jax.block_until_ready(self.programs[1](mid, local))
 
     def drain(self) -> None:
@@ -397,8 +315,13 @@ class Courier:
         the same all-gathers in the same order, so every process must let them finish
         before any issues a collective of its own (holding the lock alone could leave
         one process in its own collective while its peer's thread waits for it).
-        Block on the results of your own collective inside the block.
+        Block on the results of your own collective inside the block. A transport
+        that is not a collective (`Transport.collective`: the board, the
+        simulation's) has nothing to wait for: the block runs at once.
         """
+        if not self.transport.collective:
+            yield
+            return
         self.drain()
         with self.lock:
             yield
@@ -442,34 +365,19 @@ class Courier:
         k, size = int(self._slots[p]), int(self._sizes[p])
         event: dict[str, Any] = {"fragment": p, "arrival_step": arrival, "bytes": size}
         event["posted"] = time.perf_counter()
+        x = self.transport.take(state.outbox, k, size)
         if self._pool is None:
-            future = _take(state.outbox, k, size, None)
-        elif self.transport is not None:
-            x = _take(state.outbox, k, size, None)
-            future = self._pool.submit(self._carry, x, p, sent, event)
+            future = self.transport.move(x, p, sent)
         else:
-            assert self.mesh is not None
-            split = NamedSharding(self.mesh, PartitionSpec(AXIS))
-            x = self._to_comm(_take(state.outbox, k, size, split))
-            future = self._pool.submit(self._move, x, event)
+            future = self._pool.submit(self._carry, x, p, sent, event)
         message = _Message(p, k, size, sent, arrival, future, event)
         self._pending.setdefault(arrival, []).append(message)
         self.events.append(event)
 
-    def _move(self, x: Array, event: dict) -> Array:
-        """On the courier's thread: the all-gather, until the bytes have arrived."""
-        with self.lock:
-            event["started"] = time.perf_counter()
-            out = self._gather(x)
-            out.block_until_ready()
-        event["arrived"] = time.perf_counter()
-        return out
-
-    def _carry(self, x: Array, p: int, sent: int, event: dict) -> np.ndarray:
+    def _carry(self, x: Any, p: int, sent: int, event: dict) -> Any:
         """On the courier's thread: the transport, until every message is here."""
-        assert self.transport is not None
         event["started"] = time.perf_counter()
-        out = self.transport(np.asarray(x), p, sent)
+        out = self.transport.move(x, p, sent)
         event["arrived"] = time.perf_counter()
         return out
 
@@ -484,59 +392,24 @@ class Courier:
         except concurrent.futures.TimeoutError:
             self.failed = True
             raise CourierError(
-                f"{what}: the messages of {self._peers()} did not arrive "
+                f"{what}: the messages of {self.transport!r} did not arrive "
                 f"within timeout={self.timeout} s"
             ) from None
         except Exception as error:
             self.failed = True
             raise CourierError(
-                f"{what}: the transfer with {self._peers()} failed: {error}"
+                f"{what}: the transfer with {self.transport!r} failed: {error}"
             ) from error
 
     def _deliver(self, state: Any, t: int) -> Any:
         for m in self._pending.get(t, []):
             start = time.perf_counter()
-            messages, whole = self._result(m, t), None
-            if self.mesh is not None:
-                messages = self._from_comm(messages)
-                whole = NamedSharding(self.mesh, PartitionSpec())
+            messages = self._result(m, t)
             m.event["waited"] = time.perf_counter() - start
-            state = state._replace(
-                inbox=_put(state.inbox, messages, m.slot, m.size, whole)
-            )
+            inbox = self.transport.put(state.inbox, messages, m.slot, m.size)
+            state = state._replace(inbox=inbox)
         self._pending.pop(t, None)
         return state
-
-    def _peers(self) -> str:
-        """Whom the messages come from, for an error."""
-        if self.transport is not None:
-            return repr(self.transport)
-        if self.comm_mesh is None:
-            return f"processes {[jax.process_index()]}"
-        return f"processes {sorted({d.process_index for d in self.comm_mesh.devices.flat})}"
-
-    def _to_comm(self, x: Array) -> Array:
-        """This process's replicas' messages, on its communication device."""
-        assert self.comm_mesh is not None
-        me = jax.process_index()
-        (dev,) = [d for d in self.comm_mesh.devices.flat if d.process_index == me]
-        shards = sorted(
-            (s for s in x.addressable_shards if s.replica_id == 0),
-            key=lambda s: s.index[0].start or 0,
-        )
-        parts = [jax.device_put(s.data, dev) for s in shards]
-        local = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
-        sharding = NamedSharding(self.comm_mesh, PartitionSpec(AXIS))
-        return jax.make_array_from_single_device_arrays(x.shape, sharding, [local])
-
-    def _from_comm(self, out: Array) -> Array:
-        """Every replica's messages, replicated over the compute mesh."""
-        assert self.mesh is not None
-        local = out.addressable_data(0)
-        sharding = NamedSharding(self.mesh, PartitionSpec())
-        devices = sharding.addressable_devices
-        parts = [jax.device_put(local, d) for d in devices]
-        return jax.make_array_from_single_device_arrays(out.shape, sharding, parts)
 
 
 class _Message(NamedTuple):
@@ -614,21 +487,3 @@ def _read(x: Any) -> Any:
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
         x = x.addressable_data(0)
     return jax.device_get(x)
-
-
-@functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def _take(outbox: Array, k: int, size: int, sharding: Any) -> Array:
-    """Fragment slot k's messages `[M, size]` from the outbox `[M, K, B]`."""
-    out = outbox[:, k, :size]
-    if sharding is not None:
-        out = jax.lax.with_sharding_constraint(out, sharding)
-    return out
-
-
-@functools.partial(jax.jit, static_argnums=(2, 3, 4), donate_argnums=(0,))
-def _put(inbox: Array, messages: Array, k: int, size: int, sharding: Any) -> Array:
-    """The inbox `[K, M, B]` with slot k's first `size` bytes set to `messages`."""
-    out = inbox.at[k, :, :size].set(messages)
-    if sharding is not None:
-        out = jax.lax.with_sharding_constraint(out, sharding)
-    return out

@@ -188,7 +188,9 @@ class Connection:
     process live while the connection is open.
 
     `progress_s` bounds how long any part of a transfer may make no progress (a
-    cut link, a stopped server): past it, `socket.timeout` (an `OSError`)."""
+    cut link, a stopped server): past it, `socket.timeout` (an `OSError`).
+    `reply_s` (default `progress_s`) bounds connecting and the wait for the first
+    byte of a reply (after the server's own wait)."""
 
     def __init__(
         self,
@@ -197,9 +199,11 @@ class Connection:
         node: int | None = None,
         progress_s: float = 5.0,
         chunk_bytes: int = CHUNK,
+        reply_s: float | None = None,
     ):
         self.chunk, self.progress_s = chunk_bytes, progress_s
-        self.sock = socket.create_connection(split_address(address), progress_s)
+        self.reply_s = progress_s if reply_s is None else reply_s
+        self.sock = socket.create_connection(split_address(address), self.reply_s)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if node is not None:
             self.request(HELLO, str(node))
@@ -220,7 +224,7 @@ class Connection:
         self.sock.settimeout(self.progress_s)
         self.sock.sendall(head + key.encode())
         send_chunks(self.sock, data, self.chunk)
-        self.sock.settimeout(wait_s + self.progress_s)  # the server may wait first
+        self.sock.settimeout(wait_s + self.reply_s)  # the server may wait first
         status, size = _REPLY.unpack(recv_exact(self.sock, _REPLY.size, self.chunk))
         self.sock.settimeout(self.progress_s)
         if status == OK and into is not None and memoryview(into).nbytes == size:
@@ -268,11 +272,14 @@ def fetch(
     progress_s: float = 5.0,
     chunk_bytes: int = CHUNK,
     into: Any = None,
+    reply_s: float | None = None,
 ) -> Any:
     """The value of `key` at the server `address` (waiting up to `wait_s` for it to
     be put there), or None if it is not there; read into `into` when it has the
     value's size (see `Connection.request`). Connection failures raise `OSError`."""
-    conn = Connection(address, progress_s=progress_s, chunk_bytes=chunk_bytes)
+    conn = Connection(
+        address, progress_s=progress_s, chunk_bytes=chunk_bytes, reply_s=reply_s
+    )
     try:
         status, value = conn.request(GET, key, wait_s=wait_s, into=into)
     finally:

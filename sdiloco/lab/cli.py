@@ -205,18 +205,26 @@ def _island(args: argparse.Namespace) -> int:
     try:
         cfg = _config(args)
         options = _board(args)
-        from .elastic import check_island
+        from .train import check_island
 
-        check_island(cfg, args.replica)
+        check_island(cfg, (args.replica, cfg.method.num_replicas))
     except ValueError as e:
         return _fail(str(e))
     from ..distributed.board import BoardError
     from .elastic import island
+    from .train import Interrupted
 
     try:
         summary = island(cfg, args.replica, options, args.out)
     except BoardError as e:
         return _fail(str(e), status=1)
+    except Interrupted as e:
+        print(
+            f"island {args.replica} stopped at step {e.step}; to rejoin (healed from "
+            f"a live peer): python -m sdiloco {shlex.join(args.argv)}",
+            file=sys.stderr,
+        )
+        return INTERRUPTED
     print(
         json.dumps({"evaluation": summary["evaluation"], "healed": summary["healed"]})
     )
@@ -537,9 +545,9 @@ def _add_board_flags(d: Any) -> None:
         "--heartbeat",
         type=int,
         default=10,
-        help="seconds without a heartbeat after which the board counts a process "
-        "as gone, and JAX's runtime ends a process that cannot reach the board "
-        "(default 10)",
+        help="seconds an island may be unable to reach the board before it ends "
+        "with one line (a shorter pause is ridden out), and after which the board "
+        "counts a silent island as gone (default 10)",
     )
 
 

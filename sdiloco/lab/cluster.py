@@ -10,7 +10,12 @@ cluster; only the `Placement` differs:
   inner optimizer state) split over its island, the exchange an all-gather of the
   packed low-bit messages across `"replica"` only. The mesh may span processes: each
   process feeds its own replicas' data, every process runs the same step, process 0
-  writes the history, and all of them write their shards of a checkpoint.
+  writes the history, and all of them write their shards of a checkpoint;
+- **a transport** (`distributed.Transport`): the exchange posted and moved between
+  steps by it (`distributed.Courier`). One whose `island` is `(m, M)` (an elastic
+  job's `distributed.BoardTransport`) makes this program replica m alone: its own
+  share of the batch, and the transport's `join` and `between_steps` around the
+  steps (a restarted island heals there).
 
 `connect` joins the processes of a job (`jax.distributed.initialize`) after checking the
 coordinates it is given, with a bounded wait: a coordinator that cannot be reached or a
@@ -146,6 +151,8 @@ class Placement:
     fsdp: bool = False
     comm_mesh: Mesh | None = None
     """With a courier: one communication device per process (`courier_meshes`)."""
+    transport: Any = None
+    """A `distributed.Transport` that moves the posted exchange (no mesh)."""
     _couriers: list = dataclasses.field(default_factory=list, compare=False, repr=False)
 
     @staticmethod
@@ -156,6 +163,7 @@ class Placement:
         devices_per_replica: int | None = None,
         fsdp: bool = False,
         courier: bool = False,
+        transport: Any = None,
     ) -> "Placement":
         """The placement of a run of M replicas.
 
@@ -171,10 +179,29 @@ class Placement:
                 next inner steps (`distributed.Courier`): the last device of each
                 process becomes its communication device and the others compute.
                 Methods without overlap keep the exchange in the step.
+            transport: a `distributed.Transport` (or a function `move(messages,
+                fragment, sent) -> messages`) that moves the exchange of the DiLoCo
+                family between steps, for every τ, in one process without a mesh;
+                one with `island=(m, M)` makes this program replica m alone.
 
         Raises:
             ValueError: a mesh that cannot hold M replicas (checked before any compute).
         """
+        if transport is not None:
+            if mesh is not None or courier or devices_per_replica is not None or fsdp:
+                raise ValueError(
+                    "transport= with a mesh, courier, devices_per_replica or fsdp; "
+                    "allowed: a transport alone (it moves the messages of one "
+                    "process's replicas)."
+                )
+            transport = distributed.as_transport(transport)
+            island = transport.island
+            if island is not None and island[1] != num_replicas:
+                raise ValueError(
+                    f"transport island={island} for num_replicas (M)={num_replicas}; "
+                    f"allowed: an island (m, {num_replicas})."
+                )
+            return Placement(None, num_replicas, transport=transport)
         if courier:
             if mesh is not None:
                 raise ValueError(
@@ -208,9 +235,16 @@ class Placement:
         """Whether this process writes the run's files and shows its progress."""
         return jax.process_index() == 0
 
+    @property
+    def island(self) -> tuple[int, int] | None:
+        """`(m, M)` when this program is replica m alone (its transport's)."""
+        return None if self.transport is None else self.transport.island
+
     @functools.cached_property
     def local_replicas(self) -> list[int]:
         """The replicas whose batches this process reads."""
+        if self.island is not None:
+            return [self.island[0]]
         if self.mesh is None:
             return list(range(self.num_replicas))
         return distributed.process_replicas(self.mesh, self.num_replicas)
@@ -222,6 +256,8 @@ class Placement:
             overlap: the method's τ; with a courier and every τ >= 1, the exchange
                 is posted (moved between steps), else it stays in the step.
         """
+        if self.transport is not None:
+            return {"exchange": distributed.posted_exchange(island=self.island)}
         if self.mesh is None:
             return {}
         taus = (overlap,) if isinstance(overlap, int) else tuple(overlap)
@@ -231,6 +267,9 @@ class Placement:
 
     def state(self, state: Any) -> Any:
         """Place a state (the same full value on every process)."""
+        if self.island is not None:  # through the host, as a healed state comes:
+            # the same types (no weak types) and device, so the step compiles once
+            return jax.device_put(jax.device_get(state), jax.local_devices()[0])
         if self.mesh is None:
             return state
         return distributed.shard_state(state, self.mesh, fsdp=self.fsdp)
@@ -260,6 +299,10 @@ class Placement:
     def step(self, algorithm: Any) -> Callable[..., tuple[Any, Any]]:
         """The jitted, state-donating step on this layout (a `distributed.Courier`
         for a posted exchange)."""
+        if self.transport is not None and isinstance(algorithm.spec, StreamingSpec):
+            courier = distributed.Courier(algorithm, transport=self.transport)
+            self._couriers.append(courier)
+            return courier
         if self.mesh is None:
             return jit_step(algorithm)
         if isinstance(algorithm.spec, StreamingSpec) and algorithm.spec.posted:
@@ -269,6 +312,24 @@ class Placement:
             self._couriers.append(courier)
             return courier
         return distributed.sharded_step(algorithm.step, self.mesh, fsdp=self.fsdp)
+
+    def join(self, step: Any, state: Any, batch: Any, spec: Any) -> Any:
+        """Before the first step: with a transport, compile every program `step`
+        may run (`Courier.warm_up`, on a copy), then the transport's `join` (a
+        restarted island heals there, with its programs ready). Returns the state
+        to start from."""
+        if self.transport is None:
+            return state
+        if isinstance(step, distributed.Courier):
+            step.warm_up(self.state(state), batch)
+        return self.transport.join(state, spec)
+
+    def between_steps(self, state: Any, spec: Any) -> Any:
+        """After a step: the transport's `between_steps` (the state itself
+        without one)."""
+        if self.transport is None:
+            return state
+        return self.transport.between_steps(state, spec)
 
     def close(self, wait: bool = True) -> None:
         """Stop the couriers' threads, after waiting (bounded) for the messages in
@@ -367,8 +428,18 @@ class Placement:
             out.update({int(k): v for k, v in json.loads(bytes(row[:size])).items()})
         return out
 
-    def describe(self) -> str:
-        """One line: where the replicas live."""
+    def describe(self, short: bool = False) -> str:
+        """One line: where the replicas live (`short`: an island's name alone)."""
+        if self.island is not None:
+            m, count = self.island
+            return (
+                f"island {m}" if short else f"island {m} of {count}: {self.transport!r}"
+            )
+        if self.transport is not None:
+            return (
+                f"simulation: {self.num_replicas} replicas vmapped on one device, "
+                f"the exchange moved by {self.transport!r}"
+            )
         if self.mesh is None:
             return f"simulation: {self.num_replicas} replicas vmapped on one device"
         courier = ""

@@ -21,6 +21,7 @@ import lzma
 import os
 import pathlib
 from collections.abc import Sequence
+from typing import Any
 
 import grain
 import numpy as np
@@ -288,6 +289,33 @@ def replica_batches(
         .map(_to_example)
         .batch(global_batch_size // num_replicas, drop_remainder=True)
     )
+
+
+class StepBatches:
+    """A replica's batches by step, as an iterator (`replica_batches`): `next()`
+    gives the batch of the step after the last one given, `seek(t)` moves to the
+    step after t (an island healed at step t), and `get_state` / `set_state` (the
+    step) checkpoint it as a grain iterator is."""
+
+    def __init__(self, batches: grain.MapDataset, step: int = 0):
+        self.batches, self.step = batches, step
+
+    def __iter__(self) -> "StepBatches":
+        return self
+
+    def __next__(self) -> Any:
+        batch = self.batches[self.step]
+        self.step += 1
+        return batch
+
+    def seek(self, step: int) -> None:
+        self.step = int(step)
+
+    def get_state(self) -> dict[str, int]:
+        return {"step": self.step}
+
+    def set_state(self, state: dict[str, int]) -> None:
+        self.step = int(state["step"])
 
 
 def evaluation_windows(

@@ -7,11 +7,15 @@ global parameters (and, on request, of the replica average and of the first repl
 counts the bits put on the wire exactly (Python integers), shows a tqdm bar with loss,
 tokens/s and bits sent, checkpoints with orbax and writes the history as JSON and CSV.
 
-The same loop runs the one-device simulation and a job over many devices and
-processes: only the `cluster.Placement` differs (`mesh=`; see `sdiloco.lab.cluster`).
-In a job, every process runs `run` with the same config and output directory; each
-reads its own replicas' batches, all write their shards of each checkpoint, and
-process 0 alone shows progress and writes the history.
+The same loop runs the one-device simulation, a job over many devices and
+processes, and one island of an elastic job: only the `cluster.Placement` differs
+(`mesh=`, `transport=`; see `sdiloco.lab.cluster`). In a job, every process runs
+`run` with the same config and output directory; each reads its own replicas'
+batches, all write their shards of each checkpoint, and process 0 alone shows
+progress and writes the history. An island (`transport=` an elastic job's
+`distributed.BoardTransport`) trains its one replica with its own output directory;
+the transport's `join` (before the first step) and `between_steps` (after each)
+are where it heals and serves heals (`sdiloco.lab.elastic`).
 """
 
 import csv
@@ -117,12 +121,30 @@ class Run:
     model: Any
     train_tokens: np.ndarray
     heldout_tokens: np.ndarray
+    island: tuple[int, int] | None = None
+    """`(m, M)` when this program trains replica m alone (`config` is then its
+    share: one replica, 1/M of the global batch)."""
 
     def init_state(self):
         return self.algorithm.init(self.model, jr.PRNGKey(self.config.seed + 1))
 
     def iterators(self) -> list:
+        """One batch iterator per replica; an island's list holds only its own
+        (`data.StepBatches`: replica m's batches of the whole job, by step)."""
         c = self.config
+        if self.island is not None:
+            m, count = self.island
+            batches = data_lib.replica_batches(
+                self.train_tokens,
+                num_replicas=count,
+                global_batch_size=c.data.global_batch_size * count,
+                seq_len=self.model_config.seq_len,
+                seed=c.data.seed,
+                replica=m,
+            )
+            out: list = [None] * count
+            out[m] = data_lib.StepBatches(batches)
+            return out
         return data_lib.make_replica_iterators(
             self.train_tokens,
             num_replicas=c.method.num_replicas,
@@ -158,10 +180,17 @@ def build(
 ) -> Run:
     """Model, data and algorithm of a config (nothing is trained).
 
-    With a `placement` on a mesh, a DiLoCo-family algorithm gets the sharded exchange;
-    an `exchange` given here (a replica island's `distributed.board_exchange`) is
-    used instead.
+    With a `placement` on a mesh, a DiLoCo-family algorithm gets the sharded exchange,
+    with a transport the posted one; an `exchange` given here is used instead. With
+    an island placement (`Placement.island`: replica m of M) the run is that
+    replica's: one replica and 1/M of the global batch (`Run.island`).
     """
+    island = None if placement is None else placement.island
+    if island is not None:
+        config = config.replace(
+            method={"num_replicas": 1},
+            data={"global_batch_size": config.data.global_batch_size // island[1]},
+        )
     mc = config.model_config()
     train, heldout = _tokens(config, mc)  # checked before the model is built
     model = model_lib.Transformer(mc, key=jr.PRNGKey(config.seed))
@@ -181,7 +210,7 @@ def build(
     alg = config.method.build(
         model_lib.loss_with_aux, inner, model, has_aux=True, **extra
     )
-    return Run(config, mc, alg, model, train, heldout)
+    return Run(config, mc, alg, model, train, heldout, island)
 
 
 def run(
@@ -192,6 +221,7 @@ def run(
     devices_per_replica: int | None = None,
     fsdp: bool = False,
     courier: bool = False,
+    transport: Any = None,
     resume: bool = True,
     stop_after: int | None = None,
     progress: bool = True,
@@ -214,6 +244,13 @@ def run(
         courier: move the exchange of an overlapped method (τ >= 1) between steps,
             while the next inner steps compute (`distributed.Courier`; the last
             device of each process communicates). The numbers are those without.
+        transport: a `distributed.Transport` (or a function `move(messages,
+            fragment, sent) -> messages`) that moves the DiLoCo family's exchange
+            between steps, in one process. One with `island=(m, M)` (an elastic
+            job's `distributed.BoardTransport`) makes this run replica m of the
+            config alone: its share of the batch, its transport's `join` before the
+            first step (a restarted island heals there, from a live peer: newer than
+            any checkpoint) and `between_steps` after each.
         resume: continue from the latest checkpoint in `out_dir` if there is one
             (written on any layout that holds the same run).
         stop_after: stop (with a checkpoint) after this step, e.g. to split a run in
@@ -241,7 +278,9 @@ def run(
         NonFiniteLoss: with `nonfinite_loss="stop"`.
     """
     c = config
-    place = _placement(c, mesh, devices_per_replica, fsdp, courier, nonfinite_loss)
+    place = _placement(
+        c, mesh, devices_per_replica, fsdp, courier, transport, nonfinite_loss
+    )
     r = build(config, place)
     history = History(config)
     log = _Log(r, history, progress and place.primary, place)
@@ -267,6 +306,7 @@ def run(
                 loop.save(last, state)
     finally:
         place.close(wait=False)
+        log.close()  # an error's line then ends the output, after the bar
         if ckpt is not None:
             ckpt.close()
     history.summary = log.summary(last)
@@ -324,20 +364,29 @@ class _Loop:
     """The last step taken (`last`, or earlier when a signal stopped the loop)."""
 
     def train(self, state: Any, start: int, last: int, callback: Any) -> Any:
-        """Steps `start + 1 ... last` from `state`; returns the last state."""
+        """Steps `start + 1 ... last` from `state`; returns the last state.
+
+        With a transport, its `join` comes first and its `between_steps` after every
+        step; a state they hand back at another step count (an island healed from a
+        peer) moves the loop and the data there."""
         c, place = self.r.config, self.place
         step_fn, evaluate = place.step(self.r.algorithm), evaluator(self.r, c, place)
+        spec = self.r.algorithm.spec
         trace = _trace(c)
+        if place.transport is not None:
+            state = place.join(step_fn, state, self._peek(), spec)
+            start = self._seek(state)
         self.log.start(start)
-        self.reached = start
-        for step in range(start + 1, last + 1):
+        self.reached = step = start
+        while step < last:
             if self.signals is not None and self.signals.received is not None:
                 break
             batch = place.batch(self.iterators)
             if trace is None:
                 state, metrics = step_fn(state, batch)
             else:
-                state, metrics = step_fn(state, batch, _participation(trace, step))
+                state, metrics = step_fn(state, batch, _participation(trace, step + 1))
+            step += 1
             self.log.record(
                 step, metrics, flush=step % c.log_every == 0 or step == last
             )
@@ -348,9 +397,34 @@ class _Loop:
             if c.checkpoint_every and step % c.checkpoint_every == 0:
                 self.save(step, state)
             self.reached = step
+            if place.transport is not None:
+                for line in place.transport.news():
+                    self.log.say(f"{place.describe(short=True)}: step {step}: {line}")
+                moved = place.between_steps(state, spec)
+                if moved is not state:  # healed: the peer's step count
+                    state, step = moved, self._seek(moved)
+                    self.log.jump(step)
+                    self.reached = step
         if self.reached != last and self.log.pending:  # a row for the last step
             self.log.flush(self.reached)
         return state
+
+    def _peek(self) -> Any:
+        """The next batch, without moving the iterators on (to compile with)."""
+        place, iterators = self.place, self.iterators
+        kept = {m: iterators[m].get_state() for m in place.local_replicas}
+        batch = place.batch(iterators)
+        for m, position in kept.items():
+            iterators[m].set_state(position)
+        return batch
+
+    def _seek(self, state: Any) -> int:
+        """The state's step count; the data iterators moved to it (an island's)."""
+        step = int(self.place.host(state.step))
+        for m in self.place.local_replicas:
+            if hasattr(self.iterators[m], "seek"):
+                self.iterators[m].seek(step)
+        return step
 
     def save(self, step: int, state: Any) -> None:
         """A checkpoint of `state` at `step`, with every replica's data position."""
@@ -361,7 +435,7 @@ class _Loop:
             {m: self.iterators[m].get_state() for m in place.local_replicas}
         )
         meta = self.log.meta()
-        meta["data"] = [positions[m] for m in range(self.r.config.method.num_replicas)]
+        meta["data"] = [positions.get(m) for m in range(place.num_replicas)]
         with place.exclusive():  # orbax's barriers are collectives too
             self.ckpt.save(step, state, meta)
 
@@ -422,6 +496,7 @@ def _placement(
     devices_per_replica: int | None,
     fsdp: bool,
     courier: bool,
+    transport: Any,
     nonfinite_loss: str,
 ) -> Placement:
     """Where `run`'s replicas live, once its options are checked (before any
@@ -436,15 +511,43 @@ def _placement(
         devices_per_replica=devices_per_replica,
         fsdp=fsdp,
         courier=courier,
+        transport=transport,
     )
     _check_batch(c, place)
-    if c.failures is not None and (courier or place.mesh is not None):
+    if place.island is not None:
+        check_island(c, place.island)
+    if c.failures is not None and (courier or place.mesh is not None or transport):
         raise ValueError(
             f"RunConfig.failures={c.failures!r} on a mesh or with a courier; allowed: "
             "failures only in the one-device simulation (real processes fail in an "
             "elastic job: python -m sdiloco coordinate / train --board)."
         )
     return place
+
+
+def check_island(c: RunConfig, island: tuple[int, int]) -> None:
+    """The run can be trained as island m of M (before anything is built)."""
+    m, count = island
+    if c.method.kind == "data_parallel":
+        raise ValueError(
+            "method.kind='data_parallel' on an island; allowed: a DiLoCo-family "
+            "method (Data-Parallel's every step is a collective)."
+        )
+    if count < 2 or not 0 <= m < count:
+        raise ValueError(
+            f"replica={m} of method.num_replicas={count}; allowed: 0 ... M - 1 "
+            "with M >= 2."
+        )
+    if c.data.global_batch_size % count:
+        raise ValueError(
+            f"data.global_batch_size={c.data.global_batch_size}; allowed: a "
+            f"multiple of method.num_replicas={count}."
+        )
+    if c.failures is not None:
+        raise ValueError(
+            f"RunConfig.failures={c.failures!r} on an island; allowed: None (the "
+            "processes themselves fail)."
+        )
 
 
 def _check_batch(c: RunConfig, place: Placement) -> None:
@@ -593,6 +696,17 @@ class _Log:
             bits=f"{self.totals['bits']:.3g}",
         )
 
+    def say(self, text: str) -> None:
+        """A line beside the bar, on stderr (stdout stays for results)."""
+        if self.progress:
+            self.bar.write(text, file=sys.stderr)
+
+    def jump(self, step: int) -> None:
+        """The run moved on to `step` without training the steps between (an
+        island healed from a peer): the bar and the rate follow."""
+        self.bar.update(step - self.bar.n)
+        self.tick, self.tick_step = time.perf_counter(), step
+
     def evaluation(self, step: int, result: dict) -> None:
         self.history.evals.append({"step": step, **result})
         for k, v in result.items():
@@ -617,6 +731,11 @@ class _Log:
     def stop(self) -> None:
         self.bar.close()
         self.totals["wall_s"] += time.perf_counter() - self.t0
+
+    def close(self) -> None:
+        """Close the bar, if it was started (idempotent)."""
+        if hasattr(self, "bar"):
+            self.bar.close()
 
     def summary(self, last: int) -> dict:
         r = self.r

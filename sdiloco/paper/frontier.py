@@ -112,7 +112,10 @@ def tuned_config(
     }
     inner = {**changes.get("inner", {}), "lr": chosen["inner.lr"]}
     return experiments.setup(
-        name, model=model, regime=regime, **{**changes, "method": method, "inner": inner}
+        name,
+        model=model,
+        regime=regime,
+        **{**changes, "method": method, "inner": inner},
     )
 
 
