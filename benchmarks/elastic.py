@@ -363,22 +363,9 @@ def _board_rounds(count: int, size: int, repeats: int, mapped: bool = False) -> 
     port = _free_port()
     board = [f"--board=127.0.0.1:{port}", "--grace=600", "--board-timeout=900"]
     coordinator = _local(["coordinate", f"--replicas={count}", *board])
-    argv = [sys.executable, "-m", "benchmarks.elastic", "--worker=board"]
-    workers = [
-        subprocess.Popen(
-            [*argv, f"--worker-args={port},{count},{m},{size},{repeats},{int(mapped)}"],
-            env=_env(),
-            cwd=ROOT,
-            **_captured(),
-        )
-        for m in range(count)
-    ]
+    workers = _workers("board", port, count, size, repeats, mapped)
     results = _collect([*workers, coordinator], timeout=1800)[:count]
-    per_round = np.max([r["seconds"] for r in results], axis=0)  # the slowest island
-    out = {
-        "median_s": float(np.median(per_round[1:] if repeats > 1 else per_round)),
-        "rounds_s": [round(float(x), 4) for x in per_round],
-    }
+    out = _per_round(results, repeats)
     if mapped:
         out |= {
             "bytes": size,
@@ -389,17 +376,23 @@ def _board_rounds(count: int, size: int, repeats: int, mapped: bool = False) -> 
 
 def _gloo_rounds(count: int, size: int, repeats: int) -> dict:
     port = _free_port()
-    argv = [sys.executable, "-m", "benchmarks.elastic", "--worker=gloo"]
-    workers = [
-        subprocess.Popen(
-            [*argv, f"--worker-args={port},{count},{m},{size},{repeats},0"],
-            env=_env(),
-            cwd=ROOT,
-            **_captured(),
-        )
+    workers = _workers("gloo", port, count, size, repeats, False)
+    return _per_round(_collect(workers, timeout=1800), repeats)
+
+
+def _workers(kind, port, count, size, repeats, mapped) -> list[subprocess.Popen]:
+    """`count` worker processes of `kind` ("board" or "gloo")."""
+    argv = [sys.executable, "-m", "benchmarks.elastic", f"--worker={kind}"]
+    args = f"--worker-args={port},{count},{{m}},{size},{repeats},{int(mapped)}"
+    return [
+        subprocess.Popen([*argv, args.format(m=m)], env=_env(), cwd=ROOT, **_captured())
         for m in range(count)
     ]
-    results = _collect(workers, timeout=1800)
+
+
+def _per_round(results: list[dict], repeats: int) -> dict:
+    """Each round's time on its slowest process, and their median (without the
+    first round, which connects, when there are more)."""
     per_round = np.max([r["seconds"] for r in results], axis=0)
     return {
         "median_s": float(np.median(per_round[1:] if repeats > 1 else per_round)),
