@@ -556,11 +556,11 @@ class BoardTransport(Transport):
 
     def heal(self, state: Any, spec: Any, why: str) -> Any:
         """A live peer's state with θ_g as this island's parameters (`heal="copy"`
-        of the simulation: the peer's inner state), on this island's device."""
+        of the simulation: the peer's inner state); the training loop places it
+        (`lab.cluster.Placement`)."""
         asked = time.perf_counter()
         state, size = request_heal(self.board, self.replica, state, self.timeout_s)
         state = streaming.adopt_global(spec, state)
-        state = jax.device_put(jax.device_get(state), jax.local_devices()[0])
         self.quiet_until = int(state.step)
         seconds = time.perf_counter() - asked
         self.healed = {"seconds": seconds, "bytes": size, "why": why}

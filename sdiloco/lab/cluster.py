@@ -322,14 +322,18 @@ class Placement:
             return state
         if isinstance(step, distributed.Courier):
             step.warm_up(self.state(state), batch)
-        return self.transport.join(state, spec)
+        return self._placed(state, self.transport.join(state, spec))
 
     def between_steps(self, state: Any, spec: Any) -> Any:
         """After a step: the transport's `between_steps` (the state itself
-        without one)."""
+        without one). A state it hands back in place of `state` (a heal) is
+        placed here (`state`), as the first one was."""
         if self.transport is None:
             return state
-        return self.transport.between_steps(state, spec)
+        return self._placed(state, self.transport.between_steps(state, spec))
+
+    def _placed(self, state: Any, new: Any) -> Any:
+        return new if new is state else self.state(new)
 
     def close(self, wait: bool = True) -> None:
         """Stop the couriers' threads, after waiting (bounded) for the messages in
