@@ -42,7 +42,7 @@ plotting.style()
 NOTEBOOK = "eager_overlap"
 SEEDS = ex.SEEDS
 TAUS = (1,) if plotting.FAST else (1, 2, 5, 10)
-REPLICAS = (2,)
+REPLICAS = (2,) if plotting.FAST else (2, 4)
 MERGES = {
     "alpha=0.5": {"alpha": 0.5},
     "alpha=0": {"alpha": 0.0},
