@@ -170,6 +170,46 @@ def baseline(num_replicas: int, *, model: str, regime: experiments.Regime) -> Ru
     )
 
 
+def muon_axis(model: str) -> Axis:
+    """The inner learning rate of Data-Parallel with Muon inside, 2x apart, centred
+    on AdamW Data-Parallel's tuned value at `model`."""
+    lr = make_preset("data_parallel", model=model).inner.lr
+    return Axis("inner.lr", (lr / 2, lr, 2 * lr), doubling, max_extensions=2)
+
+
+def tune_muon_baseline(
+    model: str, *, regime: experiments.Regime, seeds: Sequence[int] = (0,)
+) -> Search:
+    """Data-Parallel with Muon inside, its inner learning rate tuned by the recipes'
+    protocol (validation split, seed 0, M = 2): the baseline the Muon recipes are
+    read against as well, so that their gap is what the wire costs, not what Muon
+    does inside."""
+    base = make_preset(
+        "data_parallel",
+        model=model,
+        data={"validation": True},
+        inner={"kind": "muon"},
+        method={"num_replicas": 2},
+    )
+    return coordinate_search(
+        regime.apply(base), (muon_axis(model),), regime=regime, seeds=seeds
+    )
+
+
+def muon_baseline(
+    search: Search, num_replicas: int, *, model: str, regime: experiments.Regime
+) -> RunConfig:
+    """Data-Parallel with Muon inside at the inner learning rate `search` chose."""
+    lr = search.best_values((muon_axis(model),))["inner.lr"]
+    return experiments.setup(
+        "data_parallel",
+        model=model,
+        regime=regime,
+        method={"num_replicas": num_replicas},
+        inner={"kind": "muon", "lr": lr},
+    )
+
+
 def wire_bits(config: RunConfig) -> float:
     """Bits per parameter per outer round of `config`, from the compiled wire.
 
@@ -206,10 +246,12 @@ def frontier(points: Mapping[str, tuple[float, float]]) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m sdiloco.paper.frontier [--shard I N] [--replicas 2 4] [--check]`:
+    """`python -m sdiloco.paper.frontier [--shard I N] [--replicas 2 4] [--check |
+    --muon-baseline]`:
     train the frontier's runs in the order the notebook needs them, resumable (every
     run is a record): each recipe's tuning at M = 2, then its three seeds at each M;
-    `--check`, the `CHECKED` recipes' three seeds at `CHECK_MODEL` (M = 2). `--shard I
+    `--check`, the `CHECKED` recipes' three seeds at `CHECK_MODEL` (M = 2);
+    `--muon-baseline`, Data-Parallel with Muon inside (tuned, three seeds per M). `--shard I
     N` takes every N-th recipe from the I-th, so that N processes share the work."""
     import argparse
 
@@ -222,12 +264,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help=f"train only the size check: {len(CHECKED)} recipes at {CHECK_MODEL}",
     )
+    p.add_argument(
+        "--muon-baseline",
+        action="store_true",
+        help="train only Data-Parallel with Muon inside: its tuning, then 3 seeds per M",
+    )
     args = p.parse_args(argv)
     i, n = args.shard
     if not 0 <= i < n:
         p.error(f"--shard {i} {n}: need 0 <= I < N.")
     experiments.enable_compile_cache()
     regime = experiments.REGIME
+    if args.muon_baseline:
+        search = tune_muon_baseline(args.model, regime=regime)
+        for m in args.replicas:
+            c = muon_baseline(search, m, model=args.model, regime=regime)
+            for seed in experiments.SEEDS:
+                loss = experiments.run_one("Data-Parallel (Muon)", c, seed).final()
+                print(f"Data-Parallel (Muon) M={m} seed {seed}: {loss:.4f}", flush=True)
+        return 0
     if args.check:
         for r in [r for j, r in enumerate(CHECKED) if j % n == i]:
             c = transferred_config(
