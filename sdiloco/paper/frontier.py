@@ -292,7 +292,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.check:
         for r in [r for j, r in enumerate(CHECKED) if j % n == i]:
             c = transferred_config(
-                r, tune(r, experiments.MODEL, regime=regime), model=CHECK_MODEL,
+                r,
+                tune(r, experiments.MODEL, regime=regime),
+                model=CHECK_MODEL,
                 regime=regime,
             )
             for seed in experiments.SEEDS:
