@@ -166,7 +166,7 @@ for ax, m in zip(axes[0], REPLICAS):
     ax.set_ylabel("gap to Data-Parallel (%)")
     ax.set_title(f"M = {m} (mean and 95 % interval over {len(SEEDS)} seeds)")
     ax.legend()
-fig.suptitle("Eager updates vs the α-merge")
+fig.suptitle("Eager updates vs the α-merge", y=1.03)
 plotting.save_figure(
     fig, NOTEBOOK, notebook=NOTEBOOK, config=configs, seeds=SEEDS, results=stats
 )
