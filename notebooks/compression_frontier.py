@@ -355,7 +355,7 @@ if CHECKED:
             "Gap: to AdamW Data-Parallel at the same size, relative mean [95 % "
             "t-interval of the seed-paired differences, nats/byte]; ranks by mean gap. "
             "The rows 'B - A' are the seed-paired differences between recipes adjacent "
-            "in the tiny-s ranking. At {frontier.CHECK_MODEL} the tiny-xs tuning is carried over "
+            f"in the tiny-s ranking. At {frontier.CHECK_MODEL} the tiny-xs tuning is carried over "
             "(the inner lr as the chosen multiple of the final method's tuned value, "
             "the outer lr as chosen), not tuned again."
         ),
