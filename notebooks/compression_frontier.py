@@ -198,7 +198,7 @@ for ax, m in zip(axes[0], REPLICAS):
         "★ the paper, ◆ Muon inside (vs AdamW Data-Parallel)",
         fontsize=9,
     )
-    ax.legend(loc="center right", fontsize=8)
+    ax.legend(loc="lower left", fontsize=8)
 fig.suptitle(title, y=1.04)
 plotting.save_figure(
     fig,
