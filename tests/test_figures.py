@@ -1,5 +1,6 @@
 """`python -m sdiloco.paper` works on a checkout and never on the installed package."""
 
+import json
 import os
 import pathlib
 import shutil
@@ -37,6 +38,32 @@ def test_no_notebooks_outside_a_checkout(tmp_path, monkeypatch, capsys):
     assert "fig02_fragment_patterns" in capsys.readouterr().out
     monkeypatch.setenv("SDILOCO_REPO", str(ROOT))
     assert figures.notebooks_dir() == ROOT / "notebooks"
+
+
+def test_runtimes_change_only_when_what_they_describe_changes(tmp_path, monkeypatch):
+    """A re-render from the same records leaves the committed `runtimes.json` as it
+    is (its times go to the checkout's `runs/`); one that reads another number of
+    records (trained elsewhere) or trained rewrites the entry, so that the entry and
+    the record index agree."""
+    monkeypatch.setattr(figures, "repo_root", lambda: tmp_path / "checkout")
+    out = tmp_path / "figures"
+    out.mkdir()
+
+    def render(keys, trained=0):
+        runs = {"runs": len(keys), "trained": trained, "train_s": 10.0 * len(keys)}
+        runs |= {"stale": 0, "keys": keys, "trained_now_s": 0.0}
+        figures._record(out, "nb", 3.0, runs)
+        return json.loads((out / "runtimes.json").read_text())["nb"]
+
+    assert render(["a", "b"])["runs"] == 2  # not listed yet: written
+    first = (out / "runtimes.json").read_text()
+    render(["a", "b"])  # the same records: the committed file is left as it is
+    assert (out / "runtimes.json").read_text() == first
+    assert (tmp_path / "checkout" / "runs" / "runtimes.json").exists()
+    assert render(["a", "b", "c"])["runs"] == 3  # more records: rewritten
+    index = json.loads((out / "records.json").read_text())
+    assert index["nb"] == ["a", "b", "c"]
+    assert render(["a", "b", "c"], trained=1)["trained"] == 1  # trained: rewritten
 
 
 @pytest.mark.integration

@@ -190,14 +190,17 @@ def _index(out_dir: pathlib.Path, name: str, keys: list[str]) -> None:
 
 
 def _record(out_dir: pathlib.Path, name: str, wall: float, runs: dict) -> None:
-    """The notebook's times into `out_dir/runtimes.json` if it trained or is not
-    listed there, else (a re-render from records) into `runs/runtimes.json`."""
+    """The notebook's times into `out_dir/runtimes.json` if it trained, is not
+    listed there or now reads another number of records (its runs were trained
+    elsewhere, e.g. by a sweep's own command), else (a re-render from the same
+    records) into `runs/runtimes.json`."""
     _index(out_dir, name, runs.pop("keys", []))
     render = max(0.0, wall - runs.pop("trained_now_s", 0.0))
     entry = {"render_s": round(render, 1), **runs}
     path = out_dir / "runtimes.json"
     times = json.loads(path.read_text()) if path.exists() else {}
-    if name in times and not runs.get("trained"):
+    same = name in times and times[name].get("runs") == runs.get("runs")
+    if same and not runs.get("trained"):
         path = repo_root() / "runs" / "runtimes.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         times = json.loads(path.read_text()) if path.exists() else {}
