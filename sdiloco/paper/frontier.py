@@ -120,20 +120,8 @@ def tuned_config(
     num_replicas: int = 2,
 ) -> RunConfig:
     """`recipe` at the values `search` chose, on the held-out split, with M replicas."""
-    name, changes = RECIPES[recipe]
     chosen = search.best_values(axes(recipe, model))
-    method = {
-        **changes.get("method", {}),
-        "num_replicas": num_replicas,
-        "outer": {"lr": chosen["method.outer.lr"]},
-    }
-    inner = {**changes.get("inner", {}), "lr": chosen["inner.lr"]}
-    return experiments.setup(
-        name,
-        model=model,
-        regime=regime,
-        **{**changes, "method": method, "inner": inner},
-    )
+    return _config(recipe, chosen, model, regime, num_replicas)
 
 
 def transferred_config(
@@ -152,12 +140,26 @@ def transferred_config(
     chosen = search.best_values(axes(recipe, experiments.MODEL))
     centre = make_preset(name, model=experiments.MODEL, **changes).inner.lr
     here = make_preset(name, model=model, **changes).inner.lr
+    chosen = {**chosen, "inner.lr": here * chosen["inner.lr"] / centre}
+    return _config(recipe, chosen, model, regime, num_replicas)
+
+
+def _config(
+    recipe: str,
+    chosen: Mapping[str, float],
+    model: str,
+    regime: experiments.Regime,
+    num_replicas: int,
+) -> RunConfig:
+    """`recipe` with the inner and outer learning rates of `chosen`, on the held-out
+    split, with M replicas."""
+    name, changes = RECIPES[recipe]
     method = {
         **changes.get("method", {}),
         "num_replicas": num_replicas,
         "outer": {"lr": chosen["method.outer.lr"]},
     }
-    inner = {**changes.get("inner", {}), "lr": here * chosen["inner.lr"] / centre}
+    inner = {**changes.get("inner", {}), "lr": chosen["inner.lr"]}
     return experiments.setup(
         name,
         model=model,
