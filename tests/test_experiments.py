@@ -397,3 +397,25 @@ def test_a_frontier_recipe_that_changes_the_inner_optimizer_keeps_its_tuned_lr()
     )
     assert c.inner.kind == "muon" and c.inner.lr == 0.012
     assert c.method.outer.lr == 0.6 and c.method.num_replicas == 4
+
+
+def test_the_size_check_carries_the_tuning_over_as_a_multiple():
+    """`transferred_config`: at another size the inner lr is the chosen multiple of
+    the final method's tuned value there (half of it here), the outer lr as chosen."""
+    from sdiloco.lab.config import preset
+    from sdiloco.paper import frontier, tuning
+
+    centre = preset("streaming_overlap_fp4", model=ex.MODEL).inner.lr
+
+    class Chosen(tuning.Search):  # the values a search chose, without training
+        def best_values(self, axes):
+            return {"inner.lr": centre / 2, "method.outer.lr": 0.6}
+
+    there = preset("streaming_overlap_fp4", model="tiny-s").inner.lr
+    assert there != centre  # the sizes are tuned apart, so the test can fail
+    c = frontier.transferred_config(
+        "E4M3", object.__new__(Chosen), model="tiny-s", regime=ex.REGIME
+    )
+    assert c.model == "tiny-s" and c.inner.lr == pytest.approx(there / 2)
+    assert c.method.outer.lr == 0.6 and c.method.num_replicas == 2
+    assert c.method.quantizer == "e4m3"
