@@ -182,8 +182,11 @@ def test_islands_train_the_simulated_run(tmp_path, tau):
 @pytest.mark.multiprocess
 def test_sigkill_an_island_the_others_go_on_and_it_heals(tmp_path):
     # Long enough that the restarted island (start-up and compile: ~20 s on two
-    # busy cores) rejoins before the others finish (~50 steps/s).
-    steps, grace, kill_at = 2400, 8.0, 60
+    # busy cores) rejoins before the others finish (~50 steps/s). The grace window
+    # is longer than a survivor's stall on two cores shared with the other xdist
+    # worker (8-24 s measured): a survivor told "behind" near the end finds no peer
+    # left to heal it (docs/elastic.md), which is not what this test is about.
+    steps, grace, kill_at = 2400, 30.0, 60
     coordinator, islands, board = _job(tmp_path, steps, grace=grace)
     restarted = None
     try:
