@@ -42,15 +42,15 @@ def test_no_notebooks_outside_a_checkout(tmp_path, monkeypatch, capsys):
 
 def test_runtimes_change_only_when_what_they_describe_changes(tmp_path, monkeypatch):
     """A re-render from the same records leaves the committed `runtimes.json` as it
-    is (its times go to the checkout's `runs/`); one that reads another number of
-    records (trained elsewhere) or trained rewrites the entry, so that the entry and
+    is (its times go to the checkout's `runs/`); one that reads other records
+    (trained elsewhere) or trained rewrites the entry, so that the entry and
     the record index agree."""
     monkeypatch.setattr(figures, "repo_root", lambda: tmp_path / "checkout")
     out = tmp_path / "figures"
     out.mkdir()
 
-    def render(keys, trained=0):
-        runs = {"runs": len(keys), "trained": trained, "train_s": 10.0 * len(keys)}
+    def render(keys, trained=0, train_s=10.0):
+        runs = {"runs": len(keys), "trained": trained, "train_s": train_s}
         runs |= {"stale": 0, "keys": keys, "trained_now_s": 0.0}
         figures._record(out, "nb", 3.0, runs)
         return json.loads((out / "runtimes.json").read_text())["nb"]
@@ -63,7 +63,10 @@ def test_runtimes_change_only_when_what_they_describe_changes(tmp_path, monkeypa
     assert render(["a", "b", "c"])["runs"] == 3  # more records: rewritten
     index = json.loads((out / "records.json").read_text())
     assert index["nb"] == ["a", "b", "c"]
-    assert render(["a", "b", "c"], trained=1)["trained"] == 1  # trained: rewritten
+    # other records, as many: rewritten (the entry and the record index agree)
+    assert render(["a", "b", "d"], train_s=20.0)["train_s"] == 20.0
+    entry = render(["a", "b", "d"], trained=1)  # trained: rewritten
+    assert entry["trained"] == 1
 
 
 @pytest.mark.integration

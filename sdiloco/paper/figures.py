@@ -178,29 +178,29 @@ def run_times(lines: list[str]) -> dict:
     }
 
 
-def _index(out_dir: pathlib.Path, name: str, keys: list[str]) -> None:
+def _index(out_dir: pathlib.Path, name: str, keys: list[str]) -> bool:
     """The record keys notebook `name` read, into `records.json` (what `--verify`
-    samples from); written only when they changed."""
+    samples from); written only when they changed. Returns whether they did."""
     path = verify.index_path(out_dir)
     index = json.loads(path.read_text()) if path.exists() else {}
     if index.get(name) == keys or (not keys and name not in index):
-        return
+        return False
     index[name] = keys
     path.write_text(json.dumps(dict(sorted(index.items())), indent=0) + "\n")
+    return True
 
 
 def _record(out_dir: pathlib.Path, name: str, wall: float, runs: dict) -> None:
     """The notebook's times into `out_dir/runtimes.json` if it trained, is not
-    listed there or now reads another number of records (its runs were trained
-    elsewhere, e.g. by a sweep's own command), else (a re-render from the same
-    records) into `runs/runtimes.json`."""
-    _index(out_dir, name, runs.pop("keys", []))
+    listed there or now reads other records (its runs were trained elsewhere, e.g.
+    by a sweep's own command), else (a re-render from the same records) into
+    `runs/runtimes.json`."""
+    other_records = _index(out_dir, name, runs.pop("keys", []))
     render = max(0.0, wall - runs.pop("trained_now_s", 0.0))
     entry = {"render_s": round(render, 1), **runs}
     path = out_dir / "runtimes.json"
     times = json.loads(path.read_text()) if path.exists() else {}
-    same = name in times and times[name].get("runs") == runs.get("runs")
-    if same and not runs.get("trained"):
+    if name in times and not runs.get("trained") and not other_records:
         path = repo_root() / "runs" / "runtimes.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         times = json.loads(path.read_text()) if path.exists() else {}
