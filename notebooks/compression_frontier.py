@@ -296,22 +296,20 @@ checks = {
     )
     for r in CHECKED
 }
-checked = ex.run_all(checks, SEEDS)
+checked = ex.run_all({f"M=2|{r}": c for r, c in checks.items()}, SEEDS)
 check_dp = ex.run_all(
-    {"DP": frontier.baseline(2, model=frontier.CHECK_MODEL, regime=ex.REGIME)}, SEEDS
+    {"M=2": frontier.baseline(2, model=frontier.CHECK_MODEL, regime=ex.REGIME)}, SEEDS
 )
-sizes = {
-    MODEL: (results, baseline, "M=2|"),
-    frontier.CHECK_MODEL: (checked, check_dp, ""),
-}
+sizes = {MODEL: (results, baseline), frontier.CHECK_MODEL: (checked, check_dp)}
+"""Size → (the recipes' runs, Data-Parallel's), named as at M = 2 above."""
 
 
 def size_gaps(model):
     """Recipe → per-seed relative gap to Data-Parallel (%) at `model`, M = 2."""
-    runs, base, prefix = sizes[model]
-    dp = np.asarray(ex.finals(base, "DP" if model != MODEL else "M=2"))
+    runs, base = sizes[model]
+    dp = np.asarray(ex.finals(base, "M=2"))
     return {
-        r: 100 * (np.asarray(ex.finals(runs, prefix + r)) - dp) / dp.mean()
+        r: 100 * (np.asarray(ex.finals(runs, f"M=2|{r}")) - dp) / dp.mean()
         for r in CHECKED
     }
 
@@ -326,10 +324,11 @@ if CHECKED:
     }
     for r in CHECKED:
         row = {"recipe": r, "inner lr at tiny-s": checks[r].inner.lr}
-        for model, (runs, base, prefix) in sizes.items():
-            dp = ex.finals(base, "DP" if model != MODEL else "M=2")
+        for model, (runs, base) in sizes.items():
             row[f"{model}: rank"] = ranks[model][r]
-            row[f"{model}: gap"] = ex.gap_text(dp, ex.finals(runs, prefix + r))
+            row[f"{model}: gap"] = ex.gap_text(
+                ex.finals(base, "M=2"), ex.finals(runs, f"M=2|{r}")
+            )
         check_rows.append(row)
     order = sorted(CHECKED, key=lambda r: ranks[frontier.CHECK_MODEL][r])
     for a, b in zip(order, order[1:]):
@@ -338,9 +337,9 @@ if CHECKED:
                 "recipe": f"{b} - {a}",
                 **{
                     f"{model}: gap": ex.gap_text(
-                        ex.finals(runs, prefix + a), ex.finals(runs, prefix + b)
+                        ex.finals(runs, f"M=2|{a}"), ex.finals(runs, f"M=2|{b}")
                     )
-                    for model, (runs, base, prefix) in sizes.items()
+                    for model, (runs, _) in sizes.items()
                 },
             }
         )

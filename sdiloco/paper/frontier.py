@@ -286,22 +286,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.muon_baseline:
         search = tune_muon_baseline(args.model, regime=regime)
         for m in args.replicas:
-            c = muon_baseline(search, m, model=args.model, regime=regime)
-            for seed in experiments.SEEDS:
-                loss = experiments.run_one("Data-Parallel (Muon)", c, seed).final()
-                print(f"Data-Parallel (Muon) M={m} seed {seed}: {loss:.4f}", flush=True)
+            _seeds(
+                f"Data-Parallel (Muon) M={m}",
+                muon_baseline(search, m, model=args.model, regime=regime),
+            )
         return 0
     if args.check:
         for r in [r for j, r in enumerate(CHECKED) if j % n == i]:
-            c = transferred_config(
-                r,
-                tune(r, experiments.MODEL, regime=regime),
-                model=CHECK_MODEL,
-                regime=regime,
-            )
-            for seed in experiments.SEEDS:
-                loss = experiments.run_one(r, c, seed).final()
-                print(f"{r} {CHECK_MODEL} seed {seed}: {loss:.4f}", flush=True)
+            search = tune(r, experiments.MODEL, regime=regime)
+            c = transferred_config(r, search, model=CHECK_MODEL, regime=regime)
+            _seeds(f"{r} {CHECK_MODEL}", c)
         return 0
     mine = [r for j, r in enumerate(RECIPES) if j % n == i]
     searches: dict[str, Search] = {}
@@ -317,10 +311,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             c = tuned_config(
                 r, searches[r], model=args.model, regime=regime, num_replicas=m
             )
-            for seed in experiments.SEEDS:
-                loss = experiments.run_one(r, c, seed).final()
-                print(f"{r} M={m} seed {seed}: {loss:.4f}", flush=True)
+            _seeds(f"{r} M={m}", c)
     return 0
+
+
+def _seeds(label: str, config: RunConfig) -> None:
+    """Train (or read) `config` at every seed of the notebooks, a line each."""
+    for seed in experiments.SEEDS:
+        loss = experiments.run_one(label, config, seed).final()
+        print(f"{label} seed {seed}: {loss:.4f}", flush=True)
 
 
 if __name__ == "__main__":
