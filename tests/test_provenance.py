@@ -59,6 +59,54 @@ def test_a_record_is_fully_stamped_and_retrains_bitwise(records):
     assert row["max_rel_gap"] == pytest.approx(1 / 3)
 
 
+@pytest.mark.integration
+def test_restamp_trains_again_only_what_this_machine_cannot_vouch_for(
+    records, monkeypatch, tmp_path_factory
+):
+    log = tmp_path_factory.mktemp("log") / "runs.jsonl"
+    monkeypatch.setenv(ex.RUN_LOG, str(log))
+    config = _tiny()
+    ex.run_one("probe", config, seed=1)
+    (path,) = records.glob("*.json")
+    record = json.loads(path.read_text())
+    monkeypatch.setenv("SDILOCO_RETRAIN", "unstamped")
+    assert not ex.retrain(record) and ex.retrain(None)
+    log.write_text("")
+    ex.run_one("probe", config, seed=1)  # current and stamped: read, not trained
+    assert [json.loads(x)["trained"] for x in log.read_text().splitlines()] == [False]
+
+    # made elsewhere (another fingerprint, no machine): trained again and replaced
+    legacy = {"version": "0", "commit": "abc", "fingerprint": "f" * 16}
+    moved = [{**e, "eval/global": e["eval/global"] + 0.5} for e in record["evals"]]
+    path.write_text(json.dumps({**record, "evals": moved, "code": legacy}))
+    assert ex.retrain(json.loads(path.read_text()))
+    log.write_text("")
+    again = ex.run_one("probe", config, seed=1)
+    (line,) = [json.loads(x) for x in log.read_text().splitlines()]
+    assert line["trained"] and line["replaced"]["fingerprint"] == "f" * 16
+    assert not line["replaced"]["bitwise"]
+    assert line["replaced"]["final_eval"] == moved[-1]["eval/global"]
+    assert (
+        line["replaced"]["now"] == again.final() == record["evals"][-1]["eval/global"]
+    )
+    restamped = json.loads(path.read_text())
+    assert provenance.is_stamped(restamped) and provenance.is_current(restamped)
+    assert restamped["evals"] == record["evals"]
+
+    # current numerics but stamped before records carried their machine: re-stamped,
+    # and it comes back bitwise
+    path.write_text(
+        json.dumps(
+            {**record, "code": {**legacy, **{"fingerprint": provenance.fingerprint()}}}
+        )
+    )
+    log.write_text("")
+    ex.run_one("probe", config, seed=1)
+    (line,) = [json.loads(x) for x in log.read_text().splitlines()]
+    assert line["trained"] and line["replaced"]["bitwise"]
+    assert provenance.is_stamped(json.loads(path.read_text()))
+
+
 def test_compare_fails_on_a_different_number_of_evaluations():
     a = [{"step": 2, "eval/global": 3.0}, {"step": 4, "eval/global": 2.0}]
     assert verify.compare(a, a) == {"equal": True, "max_rel_gap": 0.0, "why": ""}

@@ -239,9 +239,18 @@ def record_key(config: RunConfig) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
-def retrain() -> bool:
-    """Whether to train runs again over their records (`SDILOCO_RETRAIN=1`)."""
-    return os.environ.get("SDILOCO_RETRAIN", "0") not in ("", "0")
+def retrain(record: Mapping[str, Any] | None = None) -> bool:
+    """Whether to train a run again over its `record` (`SDILOCO_RETRAIN`): `1`
+    trains every run again; `unstamped` only those whose record is not both current
+    (`provenance.is_current`: this code's numerics on this machine type) and fully
+    stamped (`provenance.is_stamped`), so a machine re-stamps what it can vouch
+    for and leaves the rest (resumable: what it re-stamped is skipped next time)."""
+    mode = os.environ.get("SDILOCO_RETRAIN", "0")
+    if mode == "unstamped":
+        return record is None or not (
+            provenance.is_current(record) and provenance.is_stamped(record)
+        )
+    return mode not in ("", "0")
 
 
 def run_one(
@@ -276,8 +285,9 @@ def run_one(
     if FAST and key in _FAST_RUNS:
         d = _FAST_RUNS[key]
         return Result(name, seed, c, d["evals"], d["rows"], d["summary"], d["extra"])
-    if not FAST and path.exists() and not retrain():
-        d = json.loads(path.read_text())
+    old = json.loads(path.read_text()) if not FAST and path.exists() else None
+    if old is not None and not retrain(old):
+        d = old
         _log_run(key, False, d["summary"], stale=not provenance.is_current(d))
         extra = d.get("extra", {})
         return Result(name, seed, c, d["evals"], d["rows"], d["summary"], extra)
@@ -295,7 +305,7 @@ def run_one(
         record = {**d, "code": provenance.code()}
         tmp.write_text(json.dumps(record, separators=(",", ":")))
         tmp.replace(path)  # never a partial record
-    _log_run(key, True, h.summary)
+    _log_run(key, True, h.summary, replaced=old, evals=h.evals)
     return Result(name, seed, c, h.evals, h.rows, h.summary, extra)
 
 
@@ -307,14 +317,32 @@ record is `stale`: made by code of another numerics fingerprint, `provenance`);
 
 
 def _log_run(
-    key: str, trained: bool, summary: Mapping[str, Any], stale: bool = False
+    key: str,
+    trained: bool,
+    summary: Mapping[str, Any],
+    stale: bool = False,
+    replaced: Mapping[str, Any] | None = None,
+    evals: Sequence[Mapping[str, Any]] = (),
 ) -> None:
     path = os.environ.get(RUN_LOG)
     if path:
         line = {"key": key, "trained": trained, "wall_s": summary.get("wall_s")}
         line["stale"] = stale
+        if replaced is not None:  # what training again changed of an older record
+            code = replaced.get("code", {})
+            line["replaced"] = {
+                "fingerprint": code.get("fingerprint"),
+                "cpu": code.get("machine", {}).get("cpu"),
+                "final_eval": _final_eval(replaced.get("evals", [])),
+                "now": _final_eval(evals),
+                "bitwise": list(replaced.get("evals", [])) == list(evals),
+            }
         with open(path, "a") as f:
             f.write(json.dumps(line) + "\n")
+
+
+def _final_eval(evals: Sequence[Mapping[str, Any]]) -> float | None:
+    return float(evals[-1]["eval/global"]) if evals else None
 
 
 _FAST_RUNS: dict[str, dict[str, Any]] = {}

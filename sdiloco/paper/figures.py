@@ -13,7 +13,8 @@ of its last full run). This command executes the notebooks with nbclient:
 Finished learning runs are recorded in `paper_figures/runs/` (one small JSON each: the
 config, evaluations, history rows and summary; see `experiments.run_one`), committed
 with the artifacts, so a fresh checkout re-renders every notebook from the records in
-seconds; `--retrain` trains them again.
+seconds; `--retrain` trains them again, `--restamp` only those whose record this
+machine cannot vouch for (not current, or not fully stamped: `provenance`).
 
 NAME selects notebooks whose file name contains it (e.g. `fig08`, `table4`); none runs
 them all. `--jobs 2` runs two notebooks at a time; each prints one line. A full-mode
@@ -238,6 +239,13 @@ def _parser() -> argparse.ArgumentParser:
         help="train every run again, replacing its record in paper_figures/runs/ "
         "(default: re-render from the committed records, training only what is missing)",
     )
+    p.add_argument(
+        "--restamp",
+        action="store_true",
+        help="train again only the runs whose record is not current and fully stamped "
+        "on this machine (other numerics or machine type, or made before records "
+        "carried their machine), replacing those records; resumable",
+    )
     p.add_argument("--jobs", type=int, default=1, help="notebooks run at a time")
     p.add_argument(
         "--verify",
@@ -267,8 +275,10 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     p = _parser()
     args = p.parse_args(argv)
-    if args.retrain:  # read by experiments.run_one, here and in the subprocesses
-        os.environ["SDILOCO_RETRAIN"] = "1"
+    if args.retrain and args.restamp:
+        p.error("--retrain trains every run again; --restamp only the unstamped: one.")
+    if args.retrain or args.restamp:  # read by run_one, here and in the subprocesses
+        os.environ["SDILOCO_RETRAIN"] = "1" if args.retrain else "unstamped"
     try:
         paths = notebooks(args.names, args.notebooks)
     except ValueError as e:
