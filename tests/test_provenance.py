@@ -69,6 +69,7 @@ def test_restamp_trains_again_only_what_this_machine_cannot_vouch_for(
     ex.run_one("probe", config, seed=1)
     (path,) = records.glob("*.json")
     record = json.loads(path.read_text())
+    assert "replaced" not in record  # trained afresh
     monkeypatch.setenv("SDILOCO_RETRAIN", "unstamped")
     assert not ex.retrain(record) and ex.retrain(None)
     log.write_text("")
@@ -82,29 +83,25 @@ def test_restamp_trains_again_only_what_this_machine_cannot_vouch_for(
     assert ex.retrain(json.loads(path.read_text()))
     log.write_text("")
     again = ex.run_one("probe", config, seed=1)
-    (line,) = [json.loads(x) for x in log.read_text().splitlines()]
-    assert line["trained"] and line["replaced"]["fingerprint"] == "f" * 16
-    assert not line["replaced"]["bitwise"]
-    assert line["replaced"]["final_eval"] == moved[-1]["eval/global"]
-    assert (
-        line["replaced"]["now"] == again.final() == record["evals"][-1]["eval/global"]
-    )
+    assert [json.loads(x)["trained"] for x in log.read_text().splitlines()] == [True]
     restamped = json.loads(path.read_text())
     assert provenance.is_stamped(restamped) and provenance.is_current(restamped)
     assert restamped["evals"] == record["evals"]
+    assert again.final() == record["evals"][-1]["eval/global"]
+    assert restamped["replaced"] == {
+        "fingerprint": "f" * 16,
+        "cpu": None,
+        "final_eval": moved[-1]["eval/global"],
+        "bitwise": False,
+    }
 
-    # current numerics but stamped before records carried their machine: re-stamped,
-    # and it comes back bitwise
-    path.write_text(
-        json.dumps(
-            {**record, "code": {**legacy, **{"fingerprint": provenance.fingerprint()}}}
-        )
-    )
-    log.write_text("")
+    # this numerics, stamped before records carried their machine: re-stamped, and it
+    # comes back bitwise
+    current = {**legacy, "fingerprint": provenance.fingerprint()}
+    path.write_text(json.dumps({**record, "code": current}))
     ex.run_one("probe", config, seed=1)
-    (line,) = [json.loads(x) for x in log.read_text().splitlines()]
-    assert line["trained"] and line["replaced"]["bitwise"]
-    assert provenance.is_stamped(json.loads(path.read_text()))
+    restamped = json.loads(path.read_text())
+    assert provenance.is_stamped(restamped) and restamped["replaced"]["bitwise"]
 
 
 def test_compare_fails_on_a_different_number_of_evaluations():

@@ -303,9 +303,11 @@ def run_one(
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         record = {**d, "code": provenance.code()}
+        if old is not None:  # what training again changed of the record it replaces
+            record["replaced"] = _replaced(old, h.evals)
         tmp.write_text(json.dumps(record, separators=(",", ":")))
         tmp.replace(path)  # never a partial record
-    _log_run(key, True, h.summary, replaced=old, evals=h.evals)
+    _log_run(key, True, h.summary)
     return Result(name, seed, c, h.evals, h.rows, h.summary, extra)
 
 
@@ -317,32 +319,28 @@ record is `stale`: made by code of another numerics fingerprint, `provenance`);
 
 
 def _log_run(
-    key: str,
-    trained: bool,
-    summary: Mapping[str, Any],
-    stale: bool = False,
-    replaced: Mapping[str, Any] | None = None,
-    evals: Sequence[Mapping[str, Any]] = (),
+    key: str, trained: bool, summary: Mapping[str, Any], stale: bool = False
 ) -> None:
     path = os.environ.get(RUN_LOG)
     if path:
         line = {"key": key, "trained": trained, "wall_s": summary.get("wall_s")}
         line["stale"] = stale
-        if replaced is not None:  # what training again changed of an older record
-            code = replaced.get("code", {})
-            line["replaced"] = {
-                "fingerprint": code.get("fingerprint"),
-                "cpu": code.get("machine", {}).get("cpu"),
-                "final_eval": _final_eval(replaced.get("evals", [])),
-                "now": _final_eval(evals),
-                "bitwise": list(replaced.get("evals", [])) == list(evals),
-            }
         with open(path, "a") as f:
             f.write(json.dumps(line) + "\n")
 
 
-def _final_eval(evals: Sequence[Mapping[str, Any]]) -> float | None:
-    return float(evals[-1]["eval/global"]) if evals else None
+def _replaced(old: Mapping[str, Any], evals: Sequence[Mapping[str, Any]]) -> dict:
+    """A new record's note of the one it replaced: who made that (fingerprint, CPU
+    model when it says), its final evaluation, and whether every evaluation came
+    back bitwise (the spread across machine types, readable from the records)."""
+    code = old.get("code", {})
+    before = list(old.get("evals", []))
+    return {
+        "fingerprint": code.get("fingerprint"),
+        "cpu": code.get("machine", {}).get("cpu"),
+        "final_eval": float(before[-1]["eval/global"]) if before else None,
+        "bitwise": before == [dict(e) for e in evals],
+    }
 
 
 _FAST_RUNS: dict[str, dict[str, Any]] = {}
