@@ -67,6 +67,14 @@ def test_runtimes_change_only_when_what_they_describe_changes(tmp_path, monkeypa
     assert render(["a", "b", "d"], train_s=20.0)["train_s"] == 20.0
     entry = render(["a", "b", "d"], trained=1)  # trained: rewritten
     assert entry["trained"] == 1
+    now = (out / "runtimes.json").read_text()
+    render(["a", "b", "d"])  # a re-render after training: left as it is
+    assert (out / "runtimes.json").read_text() == now
+    # the same records, re-stamped elsewhere (other times): rewritten
+    assert render(["a", "b", "d"], train_s=30.0)["train_s"] == 30.0
+    now = (out / "runtimes.json").read_text()
+    render(["a", "b", "d"], train_s=30.0)  # and then left as it is
+    assert (out / "runtimes.json").read_text() == now
 
 
 @pytest.mark.integration

@@ -193,15 +193,18 @@ def _index(out_dir: pathlib.Path, name: str, keys: list[str]) -> bool:
 
 def _record(out_dir: pathlib.Path, name: str, wall: float, runs: dict) -> None:
     """The notebook's times into `out_dir/runtimes.json` if it trained, is not
-    listed there or now reads other records (its runs were trained elsewhere, e.g.
-    by a sweep's own command), else (a re-render from the same records) into
-    `runs/runtimes.json`."""
+    listed there, now reads other records (its runs were trained elsewhere, e.g.
+    by a sweep's own command) or its records took another training time (re-trained
+    elsewhere, e.g. re-stamped); else (a re-render from the same records, whatever
+    the machine calls stale) into `runs/runtimes.json`."""
     other_records = _index(out_dir, name, runs.pop("keys", []))
     render = max(0.0, wall - runs.pop("trained_now_s", 0.0))
     entry = {"render_s": round(render, 1), **runs}
     path = out_dir / "runtimes.json"
     times = json.loads(path.read_text()) if path.exists() else {}
-    if name in times and not runs.get("trained") and not other_records:
+    listed = times.get(name, {})
+    same = all(listed.get(k) == runs.get(k) for k in ("runs", "train_s"))
+    if name in times and not runs.get("trained") and not other_records and same:
         path = repo_root() / "runs" / "runtimes.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         times = json.loads(path.read_text()) if path.exists() else {}
