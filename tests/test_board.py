@@ -450,6 +450,62 @@ def test_a_heal_is_routed_again_as_soon_as_its_peer_is_gone(server):
             d.close()
 
 
+def test_an_island_that_finished_serves_heals_until_the_end(server):
+    # Island 0 has taken its last step; island 1, told it is behind, asks for a heal:
+    # the finished island serves its final state, then leaves when the coordinator
+    # says every island is done (`end`), not before.
+    final = {"w": np.arange(64, dtype=np.float32), "step": np.array(40)}
+    board = _client(server, 1, mailbox="to/0/")
+    depot = net.Depot("127.0.0.1", chunk_bytes=1024)
+    transport = board_lib.BoardTransport(board, 0, 2, depot=depot, timeout_s=30.0)
+    transport._say = lambda text: None
+    asker = _client(server, 2)
+    stop, route = threading.Event(), HealRouter()
+
+    def router():
+        while not stop.is_set():
+            route(server, server.live(), (0,))
+            time.sleep(0.01)
+
+    lingering = threading.Thread(target=transport.serve_until_end, args=(final,))
+    routing = threading.Thread(target=router, daemon=True)
+    try:
+        lingering.start()
+        routing.start()
+        template = jax.tree.map(np.zeros_like, final)
+        healed, size = board_lib.request_heal(asker, 1, template, timeout_s=20.0)
+        assert_trees_equal(healed, final)
+        assert transport.served == size > 0
+        time.sleep(0.3)
+        assert lingering.is_alive()  # the job is not over: it stays
+        server.put(board_lib.Keys.END, b"1")
+        lingering.join(timeout=5)
+        assert not lingering.is_alive()
+    finally:
+        stop.set()
+        server.put(board_lib.Keys.END, b"1")
+        lingering.join(timeout=5)
+        for b in (board, asker):
+            b.close()
+        transport.close()
+        depot.close()
+
+
+def test_the_coordinator_says_end_only_when_every_island_is_done():
+    board, c = _coordinator()
+    for m in range(2):
+        board.put(board_lib.Keys.island("done", m), b"1")
+    assert not c.finished() and board.try_get(board_lib.Keys.END) is None
+    polls = iter(range(20))
+    c.run(lambda: next(polls, None) is None, poll_s=0.0)  # stopped with 2 of 3 done
+    assert board.try_get(board_lib.Keys.END) == b"1"  # a stopped job ends too
+    board, c = _coordinator()
+    for m in range(3):
+        board.put(board_lib.Keys.island("done", m), b"1")
+    c.run(lambda: False, poll_s=0.0)  # returns: every island is done
+    assert board.try_get(board_lib.Keys.END) == b"1"
+
+
 def test_a_failed_heal_transfer_leaves_the_depot_serving():
     depot = net.Depot("127.0.0.1", chunk_bytes=1024)
     blob = np.arange(1 << 20, dtype=np.uint8)

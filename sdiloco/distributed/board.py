@@ -62,7 +62,9 @@ class Keys:
 
     MESSAGES, ARRIVED, GOT = "msg/", "arrived/", "got/"
     HELLO, DONE, WANT = "hello/", "done/", "heal/want/"
-    START = "start"
+    START, END = "start", "end"
+    """`start`: every island may take its first step; `end`: every island is done
+    (those that finished first and stayed to serve heals may leave)."""
 
     @staticmethod
     def message(name: str, m: int | None = None) -> str:
@@ -566,6 +568,35 @@ class BoardTransport(Transport):
         self.healed = {"seconds": seconds, "bytes": size, "why": why}
         self._say(f"healed at step {int(state.step)} ({size} bytes)")
         return state
+
+    def serve_until_end(self, state: Any, poll_s: float = 0.05) -> None:
+        """After its last step: serve the heals peers still ask for, with this final
+        `state`, until the coordinator says every island is done (`Keys.END`), the
+        board is gone, or `timeout_s` has passed. An island told it is behind in a
+        run's last seconds can so heal from a peer that has finished (it then has
+        the final state and finishes too) instead of waiting for a peer that left."""
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            while self.board.try_get(Keys.END) is None:
+                if time.monotonic() > deadline:
+                    self._say("left with the job not over (no end on the board)")
+                    return
+                mail = self.board.take_mail()
+                if "serve" in mail:
+                    try:
+                        served = serve_heal(
+                            self.board, self.depot, mail["serve"], state
+                        )
+                    except BoardError:
+                        raise
+                    except Exception as e:  # noqa: BLE001 - as between steps
+                        self._say(f"a heal it served failed: {e}")
+                    else:
+                        self.served += served
+                        self._say(f"served a heal after its last step ({served} bytes)")
+                time.sleep(poll_s)
+        except BoardError:
+            return  # the board is gone: the job is over
 
     def news(self) -> list[str]:
         return self._members.news(self.rounds)

@@ -11,6 +11,10 @@ The coordinator holds no replica and no training state. It serves the board
 - `collect`: the board's copies of a round's messages are deleted once every
   member and every live island has read them (or `keep_s` after its decision).
 
+When every island is done it says so (`end`): an island that finished stays until
+then to serve heals (`BoardTransport.serve_until_end`), so one told it is behind in
+a run's last seconds still has a peer to heal from.
+
 A round is named `<sent step>-<fragment>` by the islands (`board.round_name`).
 """
 
@@ -154,6 +158,7 @@ class Coordinator:
                 continue
             self.decide(now)
             self.collect(now)
+        self.board.put(Keys.END, b"1")  # islands still serving heals may leave
         return self.decisions
 
     def finished(self) -> bool:

@@ -104,7 +104,8 @@ def island(
     the same loop, logging, evaluations, checkpoints (under `out/island-<m>/`, with
     its `history.json`) and progress bar as any run. Around it, this connects to
     the board, offers a depot for its messages and heals, writes the step file and
-    the summary, and says it is done.
+    the summary, says it is done, and serves the heals peers still ask for until
+    every island is done (`BoardTransport.serve_until_end`).
 
     The summary: the final held-out evaluation of θ_g, whether it healed (and the
     seconds and bytes that took, and why), the seconds from its start until its
@@ -149,6 +150,10 @@ def island(
         )
         summary = _summary(history, transport, replica, started)
         _finish(board, replica, out_dir, summary, history.state.global_params)
+        transport.serve_until_end(history.state)  # a peer behind may still heal
+        if transport.served != summary["served_bytes"]:
+            summary["served_bytes"] = transport.served
+            _write(out_dir, f"island-{replica}.json", json.dumps(summary, indent=1))
         return summary
     except CourierError as e:  # a round that failed because the board did
         if isinstance(e.__cause__, BoardError):
