@@ -475,6 +475,9 @@ def test_an_island_that_finished_serves_heals_until_the_end(server):
         template = jax.tree.map(np.zeros_like, final)
         healed, size = board_lib.request_heal(asker, 1, template, timeout_s=20.0)
         assert_trees_equal(healed, final)
+        deadline = time.monotonic() + 5  # counted once `serve_heal` has returned
+        while transport.served == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert transport.served == size > 0
         time.sleep(0.3)
         assert lingering.is_alive()  # the job is not over: it stays
