@@ -542,29 +542,19 @@ class BoardTransport(Transport):
     def between_steps(self, state: Any, spec: Any) -> Any:
         self.board.check()  # `BoardLost` once the board has been gone too long
         mail = self.board.take_mail()
-        self._serve(mail, state)
+        if "serve" in mail:
+            try:
+                self.served += serve_heal(self.board, self.depot, mail["serve"], state)
+            except BoardLost:
+                raise
+            except Exception as e:  # noqa: BLE001 - serving never ends the island
+                self._say(f"a heal it served failed: {e}")
         if "behind" not in mail:
             return state
         self._say(f"behind by {mail['behind'].decode()} s at step {int(state.step)}")
         state = self.heal(state, spec, "behind")
         self.board.put(Keys.island("hello", self.replica), b"1")
         return state
-
-    def _serve(self, mail: dict[str, bytes], state: Any) -> int:
-        """Serve the heal request in `mail` (if any) with `state`; the bytes offered
-        (0: none, or it failed, said in one line: serving never ends the island,
-        only losing the board does)."""
-        if "serve" not in mail:
-            return 0
-        try:
-            served = serve_heal(self.board, self.depot, mail["serve"], state)
-        except BoardLost:
-            raise
-        except Exception as e:  # noqa: BLE001 - serving never ends the island
-            self._say(f"a heal it served failed: {e}")
-            return 0
-        self.served += served
-        return served
 
     def heal(self, state: Any, spec: Any, why: str) -> Any:
         """A live peer's state with θ_g as this island's parameters (`heal="copy"`
@@ -591,9 +581,19 @@ class BoardTransport(Transport):
                 if time.monotonic() > deadline:
                     self._say("left with the job not over (no end on the board)")
                     return
-                served = self._serve(self.board.take_mail(), state)
-                if served:
-                    self._say(f"served a heal after its last step ({served} bytes)")
+                mail = self.board.take_mail()
+                if "serve" in mail:
+                    try:
+                        served = serve_heal(
+                            self.board, self.depot, mail["serve"], state
+                        )
+                    except BoardError:
+                        raise
+                    except Exception as e:  # noqa: BLE001 - as between steps
+                        self._say(f"a heal it served failed: {e}")
+                    else:
+                        self.served += served
+                        self._say(f"served a heal after its last step ({served} bytes)")
                 time.sleep(poll_s)
         except BoardError:
             return  # the board is gone: the job is over
