@@ -184,8 +184,8 @@ def test_sigkill_an_island_the_others_go_on_and_it_heals(tmp_path):
     # Long enough that the restarted island (start-up and compile: ~20 s on two
     # busy cores) rejoins before the others finish (~50 steps/s). The grace window
     # is longer than a survivor's stall on two cores shared with the other xdist
-    # worker (8-24 s measured): a survivor told "behind" near the end finds no peer
-    # left to heal it (docs/elastic.md), which is not what this test is about.
+    # worker (8-24 s measured), so no survivor is told it is behind and heals (from a
+    # finished peer near the end, docs/elastic.md): not what this test is about.
     steps, grace, kill_at = 2400, 30.0, 60
     coordinator, islands, board = _job(tmp_path, steps, grace=grace)
     restarted = None
