@@ -57,8 +57,9 @@ def standard_promotion():
 
 
 def _popen(argv, out, start=subprocess.Popen):
-    # The job's own compilation cache: a restarted island loads its step from it.
-    env = dict(cpu_env(1, ROOT), SDILOCO_JAX_CACHE=str(out / "xla"))
+    # The suite's compilation cache (`conftest.py`): a restarted island loads its step
+    # from it, and so do the islands of the next job with the same flags.
+    env = dict(cpu_env(1, ROOT), SDILOCO_JAX_CACHE=jax.config.jax_compilation_cache_dir)
     return start(
         [sys.executable, "-m", "sdiloco", *argv],
         env=env,

@@ -263,6 +263,41 @@ def test_save_tuned_writes_each_axis_choice_and_keeps_other_entries(tmp_path):
     }
 
 
+def test_a_restamp_that_tips_a_choice_leaves_the_table_and_says_which(
+    tmp_path, monkeypatch
+):
+    path = tmp_path / "tuned.json"
+    before = '{"streaming_overlap_fp4": {"tiny-xxs": {"inner.lr": 0.006}}}'
+    path.write_text(before)
+    best = _base(inner={"lr": 0.012})
+    searches = {
+        ("tiny-xxs", "Streaming FP4"): tuning.Search(
+            best, [tuning.Trial("inner.lr", 0.012, best, [1.0])]
+        )
+    }
+    monkeypatch.setenv("SDILOCO_RETRAIN", "unstamped")
+    with pytest.raises(ValueError) as e:
+        tuning.save_tuned(searches, str(path))
+    assert "streaming_overlap_fp4 tiny-xxs inner.lr: 0.006 -> 0.012" in str(e.value)
+    assert path.read_text() == before
+    # the same choice re-stamped is written (the table's text may change, no value)
+    same = best.replace(inner={"lr": 0.006})
+    trial = tuning.Trial("inner.lr", 0.006, same, [1.0])
+    tuning.save_tuned(
+        {("tiny-xxs", "Streaming FP4"): tuning.Search(same, [trial])}, str(path)
+    )
+    assert (
+        json.loads(path.read_text())["streaming_overlap_fp4"]
+        == json.loads(before)["streaming_overlap_fp4"]
+    )
+    # training the sweep (not a re-stamp) takes the new choice
+    monkeypatch.setenv("SDILOCO_RETRAIN", "1")
+    tuning.save_tuned(searches, str(path))
+    assert json.loads(path.read_text())["streaming_overlap_fp4"]["tiny-xxs"] == {
+        "inner.lr": 0.012
+    }
+
+
 def test_neighbours_are_one_grid_step_each_side():
     lr = tuning.Axis("inner.lr", (1e-3, 2e-3), tuning.doubling)
     assert tuning.neighbours(lr, 0.012) == (0.006, 0.024)

@@ -253,6 +253,13 @@ def retrain(record: Mapping[str, Any] | None = None) -> bool:
     return mode not in ("", "0")
 
 
+def restamping() -> bool:
+    """Whether this process only re-stamps records (`--restamp`,
+    `SDILOCO_RETRAIN=unstamped`): it trains again what it cannot vouch for and
+    changes no choice made from them (`tuning.save_tuned` refuses to)."""
+    return os.environ.get("SDILOCO_RETRAIN", "0") == "unstamped"
+
+
 def run_one(
     name: str,
     config: RunConfig,

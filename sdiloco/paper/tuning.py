@@ -271,6 +271,11 @@ def save_tuned(
     Each search writes the chosen value of the axes it swept; the size's other
     entries stay.
 
+    While records are only re-stamped (`experiments.restamping`), a trial trained
+    again on another machine may score a hair otherwise and tip a choice. Writing it
+    would change the presets and so every record made from them; instead nothing is
+    written and the moved choices are raised.
+
     Args:
         searches: (model size, method name in `PRESETS`) → its `Search`.
         path: the JSON file; default `sdiloco/lab/tuned.json`, which `config.preset`
@@ -278,6 +283,10 @@ def save_tuned(
 
     Returns:
         The table written.
+
+    Raises:
+        ValueError: while re-stamping, if a choice differs from the table's, naming
+            each (method, size, field, value in the table → value chosen now).
     """
     import json
     import pathlib
@@ -288,11 +297,26 @@ def save_tuned(
         path or pathlib.Path(config_lib.__file__).parent / "tuned.json"
     )
     table = json.loads(target.read_text()) if target.exists() else {}
+    moved = []
     for (size, name), search in searches.items():
         swept = {t.axis for t in search.trials}
         axes = (*standard_axes(search.best.method.kind), WARMUP)
         chosen = search.best_values([a for a in axes if a.field in swept])
-        table.setdefault(PRESETS[name], {}).setdefault(size, {}).update(chosen)
+        entry = table.setdefault(PRESETS[name], {}).setdefault(size, {})
+        moved += [
+            f"{PRESETS[name]} {size} {field}: {entry[field]!r} -> {value!r}"
+            for field, value in chosen.items()
+            if field in entry and entry[field] != value
+        ]
+        entry.update(chosen)
+    if moved and experiments.restamping():
+        raise ValueError(
+            f"re-stamping moved {len(moved)} tuned choice(s) of {target.name} ("
+            + "; ".join(moved)
+            + "); the table is left as it is. Compare the re-stamped trials with "
+            "their `replaced` losses; to take the new choices, run the sweep without "
+            "--restamp."
+        )
     table["_source"] = (
         "sdiloco.paper.tuning via notebooks/hyperparameter_sweep: coordinate search "
         "on the validation split at 20 tokens per parameter and 50 outer rounds, one "
