@@ -178,6 +178,14 @@ def start_processes(argv, num_processes: int, env: dict, cwd) -> list:
     ]
 
 
+def wait_until(condition, timeout: float, poll: float = 0.01) -> None:
+    """Poll `condition()` until it is true or `timeout` seconds pass; the caller then
+    asserts it (for state another thread or process updates asynchronously)."""
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(poll)
+
+
 def finish_processes(procs, timeout: float) -> list[str]:
     """The processes' outputs; fails on a non-zero exit, and kills any still running
     past `timeout` seconds (so a hung job fails the test instead of hanging it)."""

@@ -30,6 +30,7 @@ from helpers import (
     toy_batches,
     toy_params,
     toy_streaming,
+    wait_until,
 )
 from hypothesis import given, settings, strategies as st
 
@@ -415,9 +416,7 @@ def test_a_heal_larger_than_a_chunk_crosses_from_the_peer(server):
         assert_trees_equal(healed, state)
         # the request and its answer are gone: the router deletes `heal/got` at its
         # next poll (every 10 ms), which can come just after the asker returns
-        deadline = time.monotonic() + 5
-        while server.keys("heal/") and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: not server.keys("heal/"), timeout=5)
         assert server.keys("heal/") == []
     finally:
         stop.set()
@@ -440,9 +439,8 @@ def test_a_heal_is_routed_again_as_soon_as_its_peer_is_gone(server):
         )
         start = time.monotonic()
         thread.start()
-        deadline = time.monotonic() + 10
-        while server.try_get("to/0/serve") is None and time.monotonic() < deadline:
-            time.sleep(0.01)  # routed to island 0, the latest round's member
+        # routed to island 0, the latest round's member
+        wait_until(lambda: server.try_get("to/0/serve") is not None, timeout=10)
         boards[0].close()  # its process ends: its connections close
         thread.join(timeout=30)
         assert np.array_equal(result["s"]["w"], states[1]["w"])  # served by island 1
@@ -480,9 +478,8 @@ def test_an_island_that_finished_serves_heals_until_the_end(server):
         template = jax.tree.map(np.zeros_like, final)
         healed, size = board_lib.request_heal(asker, 1, template, timeout_s=20.0)
         assert_trees_equal(healed, final)
-        deadline = time.monotonic() + 5  # counted once `serve_heal` has returned
-        while transport.served == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        # counted once `serve_heal` has returned
+        wait_until(lambda: transport.served != 0, timeout=5)
         assert transport.served == size > 0
         time.sleep(0.3)
         assert lingering.is_alive()  # the job is not over: it stays
@@ -669,9 +666,7 @@ def test_a_round_moves_messages_peer_to_peer_with_one_copy_on_the_board(server):
             assert np.array_equal(out, np.stack(messages))
         # The board received each message once and sent none: the peers did.
         assert not [k for k in served if k.startswith("msg/")]
-        deadline = time.monotonic() + 5
-        while server.keys("msg/") and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: not server.keys("msg/"), timeout=5)
         assert server.keys("msg/") == []  # every member read them: freed
         # A late reader (read only, as a healed island) reads the round from a
         # member's depot when the owner is gone.
