@@ -245,12 +245,11 @@ def retrain(record: Mapping[str, Any] | None = None) -> bool:
     (`provenance.is_current`: this code's numerics on this machine type) and fully
     stamped (`provenance.is_stamped`), so a machine re-stamps what it can vouch
     for and leaves the rest (resumable: what it re-stamped is skipped next time)."""
-    mode = os.environ.get("SDILOCO_RETRAIN", "0")
-    if mode == "unstamped":
+    if restamping():
         return record is None or not (
             provenance.is_current(record) and provenance.is_stamped(record)
         )
-    return mode not in ("", "0")
+    return os.environ.get("SDILOCO_RETRAIN", "0") not in ("", "0")
 
 
 def restamping() -> bool:
