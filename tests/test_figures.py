@@ -124,6 +124,46 @@ def test_wheel_install_finds_no_notebooks_and_writes_nothing(tmp_path):
     assert _files(site) == before
 
 
+@pytest.mark.integration
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_a_failing_notebook_is_one_line_and_exit_1(tmp_path, jobs):
+    """A cell that raises ends its notebook's line with the error, not nbclient's
+    traceback; the whole traceback is kept in the checkout's `runs/failed/`; with
+    `--jobs 2` the other notebook still runs and prints its own line."""
+    checkout = tmp_path / "checkout"
+    (checkout / "notebooks").mkdir(parents=True)
+    (checkout / "pyproject.toml").write_text("")
+    cell = "# %%\n"
+    (checkout / "notebooks" / "bad_one.py").write_text(
+        cell + "x = 1\n" + cell + "raise ValueError('lr=-1.0; must be > 0.')\n"
+    )
+    (checkout / "notebooks" / "good_one.py").write_text(cell + "print('fine')\n")
+    names = ["bad_one"] if jobs == 1 else ["bad_one", "good_one"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SDILOCO_")}
+    env.update(SDILOCO_REPO=str(checkout), MPLBACKEND="Agg")
+    proc = subprocess.run(
+        [sys.executable, "-m", "sdiloco.paper", *names, "--fast", f"--jobs={jobs}"],
+        cwd=checkout,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    bad = [line for line in lines if line.startswith("bad_one:")]
+    assert len(bad) == 1, lines
+    log = checkout / "runs" / "failed" / "bad_one.txt"
+    assert "FAILED: ValueError: lr=-1.0; must be > 0." in bad[0] and str(log) in bad[0]
+    assert "raise ValueError" in log.read_text()  # the cell and its traceback
+    if jobs == 2:
+        good = [line for line in lines if line.startswith("good_one:")]
+        assert len(good) == 1 and good[0].startswith("good_one: ok"), lines
+    assert lines[-1].startswith(f"{len(names) - 1}/{len(names)} notebooks in "), lines
+    assert len(lines) == len(names) + 1, lines
+
+
 def _git(*args: str, cwd: pathlib.Path) -> str:
     return subprocess.run(
         ["git", *args], cwd=cwd, capture_output=True, text=True, check=True

@@ -17,7 +17,9 @@ seconds; `--retrain` trains them again, `--restamp` only those whose record this
 machine cannot vouch for (not current, or not fully stamped: `provenance`).
 
 NAME selects notebooks whose file name contains it (e.g. `fig08`, `table4`); none runs
-them all. `--jobs 2` runs two notebooks at a time; each prints one line. A full-mode
+them all. `--jobs 2` runs two notebooks at a time; each prints one line. A notebook
+whose cell raises prints it on that line (`FAILED: ValueError: ...`) with the path of
+the whole traceback (`runs/failed/<name>.txt`), and the command exits 1. A full-mode
 execution measures, per notebook: the time to render it (`render_s`, its wall time
 less the training it did in that execution), its learning runs (`runs`), how many it
 trained then (`trained`), their training time summed from their records (`train_s`,
@@ -353,12 +355,29 @@ def _run_one(
     in a subprocess, which records its own times."""
     start = time.perf_counter()
     if alone:
-        _, runs = execute(path, fast=fast, out_dir=out_dir)
+        try:
+            _, runs = execute(path, fast=fast, out_dir=out_dir)
+        except Exception as e:  # a failing cell, a dead kernel: one line, no traceback
+            return path.stem, time.perf_counter() - start, 1, _failure(path, e)
+        (repo_root() / "runs" / "failed" / f"{path.stem}.txt").unlink(missing_ok=True)
         return path.stem, time.perf_counter() - start, 0, runs
     cmd = [sys.executable, "-m", "sdiloco.paper", path.stem, "--out", str(out_dir)]
     cmd += ["--notebooks", str(path.parent), "--child"] + (["--fast"] if fast else [])
     rc = subprocess.run(cmd).returncode  # the child prints the notebook's line
     return path.stem, time.perf_counter() - start, rc, {"child": True}
+
+
+def _failure(path: pathlib.Path, error: Exception) -> dict:
+    """What the notebook's line says of `error`: the error the failing cell raised
+    (nbclient's `ename: evalue`, its first line) or the exception itself, and where its
+    whole text was written (`runs/failed/<name>.txt` of the checkout, not tracked)."""
+    ename, evalue = getattr(error, "ename", None), getattr(error, "evalue", None)
+    what = f"{ename}: {evalue}" if ename else f"{type(error).__name__}: {error}"
+    log = repo_root() / "runs" / "failed" / f"{path.stem}.txt"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text(str(error) + "\n")
+    first = what.strip().splitlines()[0] if what.strip() else what
+    return {"failure": f"{first} (the whole error: {log})"}
 
 
 def _run_all(
@@ -373,12 +392,16 @@ def _run_all(
         runs_of = pool.map(lambda p: _run_one(p, out_dir, fast, alone), paths)
         for name, wall, rc, runs in runs_of:
             status = "ok" if rc == 0 else f"FAILED (exit {rc})"
+            if "failure" in runs:
+                status = f"FAILED: {runs['failure']}"
             if runs.get("runs"):
                 current = runs["runs"] - runs.get("stale", 0)
                 status += f"; {current} of {runs['runs']} records current"
                 if current < runs["runs"]:
                     status += " (the others: other numerics or machine type; README)"
-            if not runs.get("child") or rc:  # a child printed its own line
+            # A child printed its own line, unless it died before it could (a signal,
+            # or an error outside the notebook: exit codes other than 0 and 1).
+            if not runs.get("child") or rc not in (0, 1):
                 print(f"{name}: {status} in {wall:.0f} s", flush=True)
             if rc:
                 failed.append(name)
