@@ -496,6 +496,42 @@ def test_an_island_that_finished_serves_heals_until_the_end(server):
         depot.close()
 
 
+def test_a_heal_that_cannot_be_served_is_one_line_and_the_island_goes_on(server):
+    # A serve request that does not parse: between steps and after the last step,
+    # the island says so in one line, serves nothing and keeps going.
+    state = {"w": np.arange(8, dtype=np.float32), "step": np.array(3)}
+    board = _client(server, 1, mailbox="to/0/")
+    depot = net.Depot("127.0.0.1")
+    transport = board_lib.BoardTransport(board, 0, 2, depot=depot, timeout_s=30.0)
+    lines = []
+    transport._say = lines.append
+    failed = (
+        "a heal it served failed: a heal request b'nonsense'; "
+        "allowed: '<replica>:<nonce>'."
+    )
+    lingering = threading.Thread(target=transport.serve_until_end, args=(state,))
+    try:
+        server.put(board_lib.Keys.mail(0, "serve"), b"nonsense")
+        wait_until(lambda: "serve" in board.mail, timeout=5)
+        assert transport.between_steps(state, None) is state
+        assert lines == [failed] and transport.served == 0
+        lingering.start()
+        server.put(board_lib.Keys.mail(0, "serve"), b"nonsense")
+        wait_until(lambda: len(lines) == 2, timeout=5)
+        assert lingering.is_alive()  # still serving until the end
+        server.put(board_lib.Keys.END, b"1")
+        lingering.join(timeout=5)
+        assert not lingering.is_alive()
+        assert lines == [failed, failed] and transport.served == 0
+    finally:
+        server.put(board_lib.Keys.END, b"1")
+        if lingering.ident is not None:  # started
+            lingering.join(timeout=5)
+        board.close()
+        transport.close()
+        depot.close()
+
+
 def test_the_coordinator_says_end_only_when_every_island_is_done():
     board, c = _coordinator()
     for m in range(2):

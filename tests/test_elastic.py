@@ -57,12 +57,12 @@ def standard_promotion():
 
 
 def _popen(argv, out, start=subprocess.Popen):
-    # The suite's compilation cache (`conftest.py`): a restarted island loads its step
-    # from it, and so do the islands of the next job with the same flags.
-    env = dict(cpu_env(1, ROOT), SDILOCO_JAX_CACHE=jax.config.jax_compilation_cache_dir)
+    # The suite's compilation cache (`conftest.py`) is in the environment: a restarted
+    # island loads its step from it, and so do the islands of the next job with the
+    # same flags.
     return start(
         [sys.executable, "-m", "sdiloco", *argv],
-        env=env,
+        env=cpu_env(1, ROOT),
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

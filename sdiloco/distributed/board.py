@@ -543,12 +543,7 @@ class BoardTransport(Transport):
         self.board.check()  # `BoardLost` once the board has been gone too long
         mail = self.board.take_mail()
         if "serve" in mail:
-            try:
-                self.served += serve_heal(self.board, self.depot, mail["serve"], state)
-            except BoardLost:
-                raise
-            except Exception as e:  # noqa: BLE001 - serving never ends the island
-                self._say(f"a heal it served failed: {e}")
+            self._serve(mail["serve"], state)
         if "behind" not in mail:
             return state
         self._say(f"behind by {mail['behind'].decode()} s at step {int(state.step)}")
@@ -582,21 +577,25 @@ class BoardTransport(Transport):
                     self._say("left with the job not over (no end on the board)")
                     return
                 mail = self.board.take_mail()
-                if "serve" in mail:
-                    try:
-                        served = serve_heal(
-                            self.board, self.depot, mail["serve"], state
-                        )
-                    except BoardError:
-                        raise
-                    except Exception as e:  # noqa: BLE001 - as between steps
-                        self._say(f"a heal it served failed: {e}")
-                    else:
-                        self.served += served
-                        self._say(f"served a heal after its last step ({served} bytes)")
+                if "serve" in mail and (served := self._serve(mail["serve"], state)):
+                    self._say(f"served a heal after its last step ({served} bytes)")
                 time.sleep(poll_s)
         except BoardError:
             return  # the board is gone: the job is over
+
+    def _serve(self, request: bytes, state: Any) -> int:
+        """Serve the heal a peer asked for (`request`) with `state`; returns the
+        bytes served. A failure is one line, 0 bytes, and never ends the island;
+        only a lost board does (`BoardLost`)."""
+        try:
+            served = serve_heal(self.board, self.depot, request, state)
+        except BoardLost:
+            raise
+        except Exception as e:  # noqa: BLE001 - serving never ends the island
+            self._say(f"a heal it served failed: {e}")
+            return 0
+        self.served += served
+        return served
 
     def news(self) -> list[str]:
         return self._members.news(self.rounds)
