@@ -261,16 +261,23 @@ def test_a_cut_link_leaves_the_island_out_then_it_takes_part_again(tmp_path):
         )
         procs = [coordinator, *islands]
         deadline = time.monotonic() + 300
-        while _step(tmp_path, 1) < cut_at and time.monotonic() < deadline:
+        while _step(tmp_path, 1) < cut_at:
             assert all(p.poll() is None for p in procs)
+            assert time.monotonic() < deadline, f"island 1 never reached step {cut_at}"
             time.sleep(0.05)
+        cut_from = _step(tmp_path, 1), [_step(tmp_path, m) for m in range(M)]
         net.set_link(2, up=False)  # island 1 is node 2
         time.sleep(cut_s)
         net.set_link(2, up=True)
         finish_processes(procs, timeout=600)
     decisions = _summary(tmp_path, "coordinator.json")
     cut = [d for d in decisions if d["timed_out"] and d["members"] == [0, 2]]
-    assert cut, "the cut was never detected"  # the others went on without it
+    # the others went on without it
+    assert cut, (
+        f"the cut was never detected: cut at steps {cut_from}; rounds that were not "
+        f"all three: {[d for d in decisions if d['members'] != [0, 1, 2]][:8]}; "
+        f"timed out: {[d for d in decisions if d['timed_out']][:8]}"
+    )
     assert sum(d["timed_out"] for d in decisions) <= 4
     without = [i for i, d in enumerate(decisions) if 1 not in d["members"]]
     back = decisions[without[-1] + 1 :]
