@@ -22,6 +22,20 @@ def _files(directory: pathlib.Path) -> set[pathlib.Path]:
     return {p for p in directory.rglob("*")}
 
 
+def _python(*argv: str, cwd: pathlib.Path, **env: str):
+    """`python *argv` in `cwd`, with no `SDILOCO_*` setting of ours and `env` added;
+    output captured."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("SDILOCO_")}
+    return subprocess.run(
+        [sys.executable, *argv],
+        cwd=cwd,
+        env={**clean, "MPLBACKEND": "Agg", **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
 def test_no_notebooks_outside_a_checkout(tmp_path, monkeypatch, capsys):
     # An installed package (no notebooks beside it), run from outside a checkout.
     monkeypatch.delenv("SDILOCO_REPO", raising=False)
@@ -87,16 +101,8 @@ def test_wheel_install_finds_no_notebooks_and_writes_nothing(tmp_path):
     work = tmp_path / "work"
     work.mkdir()
     before = _files(site)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SDILOCO_")}
-    env.update(PYTHONPATH=str(site), PYTHONDONTWRITEBYTECODE="1", MPLBACKEND="Agg")
-    proc = subprocess.run(
-        [sys.executable, "-m", "sdiloco.paper", "--fast"],
-        cwd=work,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    env = dict(PYTHONPATH=str(site), PYTHONDONTWRITEBYTECODE="1")
+    proc = _python("-m", "sdiloco.paper", "--fast", cwd=work, **env)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr
     assert proc.stderr.count("\n") == 1, proc.stderr
@@ -109,14 +115,7 @@ def test_wheel_install_finds_no_notebooks_and_writes_nothing(tmp_path):
         "import sdiloco, pathlib; from sdiloco.paper import plotting; "
         "print(pathlib.Path(sdiloco.__file__).parent); print(plotting.REPO_ROOT)"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=work,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = _python("-c", code, cwd=work, **env)
     assert proc.returncode == 0, proc.stderr
     package, root = proc.stdout.split()
     assert pathlib.Path(package) == site / "sdiloco"
@@ -139,16 +138,8 @@ def test_a_failing_notebook_is_one_line_and_exit_1(tmp_path, jobs):
     )
     (checkout / "notebooks" / "good_one.py").write_text(cell + "print('fine')\n")
     names = ["bad_one"] if jobs == 1 else ["bad_one", "good_one"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SDILOCO_")}
-    env.update(SDILOCO_REPO=str(checkout), MPLBACKEND="Agg")
-    proc = subprocess.run(
-        [sys.executable, "-m", "sdiloco.paper", *names, "--fast", f"--jobs={jobs}"],
-        cwd=checkout,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    argv = ["-m", "sdiloco.paper", *names, "--fast", f"--jobs={jobs}"]
+    proc = _python(*argv, cwd=checkout, SDILOCO_REPO=str(checkout))
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
