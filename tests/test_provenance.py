@@ -5,7 +5,7 @@ import json
 import jax
 import pytest
 
-from sdiloco.paper import experiments as ex, provenance, verify
+from sdiloco.paper import experiments as ex, figures, provenance, verify
 
 
 @pytest.fixture(autouse=True)
@@ -102,6 +102,78 @@ def test_restamp_trains_again_only_what_this_machine_cannot_vouch_for(
     ex.run_one("probe", config, seed=1)
     restamped = json.loads(path.read_text())
     assert provenance.is_stamped(restamped) and restamped["replaced"]["bitwise"]
+
+
+@pytest.mark.integration
+def test_restamp_shards_split_the_records_and_each_is_trained_once(
+    records, monkeypatch, tmp_path_factory, capsys
+):
+    # Three records made elsewhere: two Data-Parallel runs (the cheaper) and one
+    # Streaming run with the cosine callback, all read by one notebook.
+    out = tmp_path_factory.mktemp("figures")
+    streaming = provenance._lab_probes()["streaming_fp4"]
+    made = [
+        ex.run_one("dp", _tiny(), seed=1),
+        ex.run_one("dp", _tiny(), seed=2),
+        ex.run_one("s", streaming, seed=1, callback_factory=ex.cosine_callback),
+    ]
+    keys = sorted(p.stem for p in records.glob("*.json"))
+    assert len(keys) == 3 and sum(k.endswith("-cosine_callback") for k in keys) == 1
+    legacy = {"version": "0", "commit": "abc", "fingerprint": "f" * 16}
+    for key in keys:
+        path = records / f"{key}.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "code": legacy}))
+    verify.index_path(out).write_text(json.dumps({"nb": keys}))
+    monkeypatch.setenv("SDILOCO_RETRAIN", "unstamped")
+    paths = [out / "nb.py"]  # only the stem is read
+
+    def current():
+        return {
+            k: provenance.is_current(json.loads((records / f"{k}.json").read_text()))
+            for k in keys
+        }
+
+    cheapest_first = sorted(keys, key=lambda k: (k.endswith("-cosine_callback"), k))
+    assert figures._restamp_shard(paths, (2, 2), out) == 0
+    assert current() == {k: k == cheapest_first[1] for k in keys}
+    assert figures._restamp_shard(paths, (1, 2), out) == 0
+    assert all(current().values())
+    for result in made:  # the same runs again, callback's collection included
+        key = ex.record_key(result.config)
+        key += "-cosine_callback" if result.extra else ""
+        again = json.loads((records / f"{key}.json").read_text())
+        assert again["evals"] == result.evals and again["replaced"]["bitwise"]
+        assert again.get("extra", {}) == json.loads(json.dumps(result.extra))
+    lines = capsys.readouterr().out.splitlines()
+    assert (
+        lines[0]
+        == "shard 2/2: 1 of its 1 records to re-stamp (3 read by 1 notebooks, 0 missing)"
+    )
+    assert lines[1].startswith(f"1/1 {cheapest_first[1]}: ") and "(bitwise)" in lines[1]
+    assert lines[2].startswith("shard 1/2: 2 of its 2 records")
+    assert figures._restamp_shard(paths, (1, 2), out) == 0  # nothing left
+    assert capsys.readouterr().out.startswith("shard 1/2: 0 of its 2 records")
+
+
+@pytest.mark.parametrize("shard", ["3/2", "0/2", "1-2", "x/2"])
+def test_a_shard_that_cannot_be_is_one_line(shard, capsys):
+    assert figures.main(["fig08", "--restamp", f"--shard={shard}"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: --shard={shard}; allowed: I/N, 1 <= I <= N (e.g. 1/2).\n"
+    assert figures.main(["fig08", "--shard=1/2"]) == 2  # without --restamp
+    assert "with --restamp only" in capsys.readouterr().err
+
+
+def test_a_record_whose_config_is_not_its_name_is_not_trained_again(
+    records, monkeypatch
+):
+    monkeypatch.setenv("SDILOCO_RETRAIN", "unstamped")
+    key = _fake_record(records, _tiny(), {"fingerprint": "f" * 16})
+    (records / f"{key}.json").rename(records / "0123456789abcdef0123.json")
+    with pytest.raises(ValueError, match="hashes to"):
+        ex.restamp_record("0123456789abcdef0123")
+    with pytest.raises(ValueError, match="no "):
+        ex.restamp_record("missing")
 
 
 def test_compare_fails_on_a_different_number_of_evaluations():

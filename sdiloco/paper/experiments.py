@@ -472,3 +472,41 @@ def cosine_callback(run: train.Run) -> tuple[Callable, Callable[[], dict]]:
                 out["layer"].append((step, int(layer), float(cos_l[layer + 1])))
 
     return callback, lambda: out
+
+
+CALLBACKS: dict[str, Callable[[Any], tuple[Callable, Callable[[], dict]]]] = {
+    "cosine_callback": cosine_callback,
+}
+"""The callback factories a record's key can name (`<config key>-<factory name>`)."""
+
+
+def restamp_record(key: str) -> bool:
+    """Train the record `key` again from the config it holds, as a notebook's
+    `run_one` would, if `retrain` says so (under `--restamp`: this machine cannot
+    vouch for it). Returns whether it trained. Reading the record first, a record
+    another process has re-stamped meanwhile is left alone.
+
+    Raises:
+        ValueError: no record `key`, a callback it names that is not in `CALLBACKS`,
+            or a config that does not hash to its key.
+    """
+    path = records_dir() / f"{key}.json"
+    if not path.exists():
+        raise ValueError(f"record {key!r}: no {path}.")
+    record = json.loads(path.read_text())
+    if not retrain(record):
+        return False
+    config = RunConfig.from_json(json.dumps(record["config"]))
+    base, _, callback = key.partition("-")
+    if callback and callback not in CALLBACKS:
+        raise ValueError(
+            f"record {key!r} names callback {callback!r}; allowed: {sorted(CALLBACKS)}."
+        )
+    if record_key(config) != base:
+        raise ValueError(
+            f"record {key!r}: its config hashes to {record_key(config)!r}, not to its "
+            "name; it cannot be trained again from it."
+        )
+    factory = CALLBACKS[callback] if callback else None
+    run_one(config.name or key, config, config.seed, callback_factory=factory)
+    return True

@@ -251,6 +251,14 @@ def _parser() -> argparse.ArgumentParser:
         "on this machine (other numerics or machine type, or made before records "
         "carried their machine), replacing those records; resumable",
     )
+    p.add_argument(
+        "--shard",
+        metavar="I/N",
+        help="with --restamp: re-stamp the named notebooks' records straight from the "
+        "configs they hold, cheapest first, the I-th of every N, without executing "
+        "the notebooks; run N such processes side by side, then --restamp alone to "
+        "re-render (it trains what is left and refuses a choice that moved)",
+    )
     p.add_argument("--jobs", type=int, default=1, help="notebooks run at a time")
     p.add_argument(
         "--verify",
@@ -282,6 +290,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.retrain and args.restamp:
         p.error("--retrain trains every run again; --restamp only the unstamped: one.")
+    shard = _shard(args.shard) if args.shard is not None else None
+    if args.shard is not None and (shard is None or not args.restamp):
+        why = "with --restamp only" if shard else "allowed: I/N, 1 <= I <= N (e.g. 1/2)"
+        print(f"error: --shard={args.shard}; {why}.", file=sys.stderr)
+        return 2
     if args.retrain or args.restamp:  # read by run_one, here and in the subprocesses
         os.environ["SDILOCO_RETRAIN"] = "1" if args.retrain else "unstamped"
     try:
@@ -303,8 +316,75 @@ def main(argv: list[str] | None = None) -> int:
         os.environ[provenance.FINGERPRINT_ENV] = provenance.environment_value()
     default = root / ("runs/figures-fast" if args.fast else "paper_figures")
     out_dir = pathlib.Path(args.out or default).resolve()
+    if shard is not None:
+        return _restamp_shard(paths, shard, out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     return _run_all(paths, out_dir, args.fast, args.jobs, child=args.child)
+
+
+def _shard(text: str) -> tuple[int, int] | None:
+    """`"I/N"` as `(I, N)`, or None unless 1 <= I <= N."""
+    i, _, n = text.partition("/")
+    if not (i.isdigit() and n.isdigit() and 1 <= int(i) <= int(n)):
+        return None
+    return int(i), int(n)
+
+
+def _restamp_shard(
+    paths: list[pathlib.Path], shard: tuple[int, int], out_dir: pathlib.Path
+) -> int:
+    """`--restamp --shard I/N`: re-train the records the notebooks `paths` read
+    (`records.json`) that this machine cannot vouch for, straight from their
+    configs. The shard is fixed by the records alone, whatever is stamped yet:
+    sorted by cost (steps x parameters), the I-th of every N, so a shard started
+    again goes on with its own records. Other processes (other shards, a notebook
+    re-stamping) may run beside it: a record is read again just before it is
+    trained, and one re-stamped meanwhile is skipped. Prints a line per record;
+    the notebooks re-render from them afterwards."""
+    i, n = shard
+    path = verify.index_path(out_dir)
+    if not path.exists():
+        print(f"error: no {path}; render the notebooks first.", file=sys.stderr)
+        return 1
+    index = json.loads(path.read_text())
+    keys = sorted({key for p in paths for key in index.get(p.stem, [])})
+    costs, todo = [], set()
+    for key in keys:
+        record_path = experiments.records_dir() / f"{key}.json"
+        if record_path.exists():  # a missing one: the notebook trains it
+            record = json.loads(record_path.read_text())
+            summary = record["summary"]
+            costs.append((summary["steps"] * summary["num_params"], key))
+            if experiments.retrain(record):
+                todo.add(key)
+    shard_keys = [key for _, key in sorted(costs)][i - 1 :: n]
+    mine = [key for key in shard_keys if key in todo]
+    print(
+        f"shard {i}/{n}: {len(mine)} of its {len(shard_keys)} records to re-stamp "
+        f"({len(keys)} read by {len(paths)} notebooks, "
+        f"{len(keys) - len(costs)} missing)",
+        flush=True,
+    )
+    experiments.enable_compile_cache()
+    for j, key in enumerate(mine, 1):
+        start = time.perf_counter()
+        if not experiments.restamp_record(key):
+            print(f"{j}/{len(mine)} {key}: re-stamped meanwhile, skipped", flush=True)
+            continue
+        new = json.loads((experiments.records_dir() / f"{key}.json").read_text())
+        before = new["replaced"]["final_eval"]
+        after = new["evals"][-1]["eval/global"] if new["evals"] else None
+        print(
+            f"{j}/{len(mine)} {key}: {time.perf_counter() - start:.0f} s, final "
+            f"loss {_loss(before)} -> {_loss(after)}"
+            + (" (bitwise)" if new["replaced"]["bitwise"] else ""),
+            flush=True,
+        )
+    return 0
+
+
+def _loss(value: float | None) -> str:
+    return "none" if value is None else f"{value:.4f}"
 
 
 def _verify(k: int, seed: int | None, cell: bool, out_dir: pathlib.Path) -> int:
