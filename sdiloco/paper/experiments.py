@@ -307,7 +307,9 @@ def run_one(
         _FAST_RUNS[key] = {**d, "extra": extra}
     else:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
+        # this process's own temporary file: two processes that finish one run at
+        # once (re-stamp shards beside a notebook) each write theirs whole
+        tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp")
         record = {**d, "code": provenance.code()}
         if old is not None:  # what training again changed of the record it replaces
             record["replaced"] = _replaced(old, h.evals)
