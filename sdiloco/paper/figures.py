@@ -260,6 +260,14 @@ def _parser() -> argparse.ArgumentParser:
         "re-render (it trains what is left and refuses a choice that moved)",
     )
     p.add_argument("--jobs", type=int, default=1, help="notebooks run at a time")
+    p.add_argument("--list", action="store_true", help="list the notebooks and exit")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    _verify_flags(p.add_argument_group("checking the records"))
+    return p
+
+
+def _verify_flags(p: Any) -> None:
+    """`--verify` and the flags that go with it (`_verify`)."""
     p.add_argument(
         "--verify",
         type=int,
@@ -280,9 +288,6 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="with --verify: re-train the headline cell as well (about 6 tiny-xs runs)",
     )
-    p.add_argument("--list", action="store_true", help="list the notebooks and exit")
-    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -439,7 +444,7 @@ def _run_one(
             _, runs = execute(path, fast=fast, out_dir=out_dir)
         except Exception as e:  # a failing cell, a dead kernel: one line, no traceback
             return path.stem, time.perf_counter() - start, 1, _failure(path, e)
-        (repo_root() / "runs" / "failed" / f"{path.stem}.txt").unlink(missing_ok=True)
+        _failure_log(path.stem).unlink(missing_ok=True)  # it fails no more
         return path.stem, time.perf_counter() - start, 0, runs
     cmd = [sys.executable, "-m", "sdiloco.paper", path.stem, "--out", str(out_dir)]
     cmd += ["--notebooks", str(path.parent), "--child"] + (["--fast"] if fast else [])
@@ -453,11 +458,16 @@ def _failure(path: pathlib.Path, error: Exception) -> dict:
     whole text was written (`runs/failed/<name>.txt` of the checkout, not tracked)."""
     ename, evalue = getattr(error, "ename", None), getattr(error, "evalue", None)
     what = f"{ename}: {evalue}" if ename else f"{type(error).__name__}: {error}"
-    log = repo_root() / "runs" / "failed" / f"{path.stem}.txt"
+    log = _failure_log(path.stem)
     log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text(str(error) + "\n")
     first = what.strip().splitlines()[0] if what.strip() else what
     return {"failure": f"{first} (the whole error: {log})"}
+
+
+def _failure_log(name: str) -> pathlib.Path:
+    """Where the whole error of notebook `name`'s last failed execution is kept."""
+    return repo_root() / "runs" / "failed" / f"{name}.txt"
 
 
 def _run_all(
