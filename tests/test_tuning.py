@@ -1,6 +1,7 @@
 """The tuning protocol: the budget it trains at and the search it runs (no training:
 the trainer is a known function of the hyper-parameters)."""
 
+import hashlib
 import json
 import math
 
@@ -111,6 +112,109 @@ def test_search_skips_values_the_budget_cannot_train():
             regime=tuning.Regime(20.0, 50),
             train=loss,
         )
+
+
+def _surface(lr_opt, olr_opt, batch_opt, rough, salt):
+    """A known loss over the protocol's axes (>= 1): a bowl plus a fixed rough term
+    per config, so that neighbouring values nearly tie, as real one-seed trials do."""
+
+    def loss(name, config, seed):
+        del name, seed
+        lr, olr = config.inner.lr, config.method.outer.lr
+        b, mom = config.data.global_batch_size, config.method.outer.momentum
+        u = _unit(config.to_json(), salt)
+        bowl = 0.02 * math.log2(lr / lr_opt) ** 2 + 0.05 * (olr - olr_opt) ** 2
+        bowl += 0.01 * abs(math.log2(b / batch_opt)) + 0.01 * (mom - 0.9) ** 2
+        return 1.0 + bowl + rough * u
+
+    return loss
+
+
+def _unit(text, salt):
+    """A fixed number in [-1, 1] per (text, salt)."""
+    h = int(hashlib.sha256(f"{salt}|{text}".encode()).hexdigest()[:8], 16)
+    return 2 * h / 0xFFFFFFFF - 1
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    lr_opt=st.floats(1e-3, 0.2),
+    olr_opt=st.floats(0.1, 1.2),
+    batch_opt=st.sampled_from([8, 16, 32, 64, 128]),
+    rough=st.sampled_from([0.0, 0.002, 0.01]),
+    salt=st.integers(0, 2**16),
+    tie=st.sampled_from([0.005, 0.01, 0.03]),
+)
+def test_a_sweep_run_again_retraces_the_published_path_under_small_moves(
+    lr_opt, olr_opt, batch_opt, rough, salt, tie
+):
+    """The tie rule's promise: losses that all move by less than tie / (2 + tie)
+    (another machine's arithmetic) leave every choice and every trial as published,
+    extensions included; without the rule, such moves may reorder near-ties."""
+    axes = tuning.standard_axes("streaming")
+    regime = tuning.Regime(20.0, 5)
+    loss = _surface(lr_opt, olr_opt, batch_opt, rough, salt)
+    first = tuning.coordinate_search(_base(), axes, regime=regime, train=loss)
+    published = first.best_values(axes)
+    eps = 0.99 * tie / (2 + tie)
+
+    def moved(name, config, seed):
+        return loss(name, config, seed) * (1 + eps * _unit(config.to_json(), ~salt))
+
+    again = tuning.coordinate_search(
+        _base(), axes, regime=regime, train=moved, published=published, tie=tie
+    )
+    assert again.best == first.best
+    assert [t.config for t in again.trials] == [t.config for t in first.trials]
+    assert all(gap <= tie for _, _, _, gap in again.kept)
+    # on the very losses it was chosen from, the published table changes nothing
+    assert (
+        tuning.coordinate_search(
+            _base(), axes, regime=regime, train=loss, published=published, tie=tie
+        ).trials
+        == first.trials
+    )
+
+
+def test_the_tie_rule_keeps_a_near_tie_and_yields_to_a_real_gap():
+    """Within `tie` of the best the published value stays (and is reported in
+    `Search.kept`); beyond it the best trial is chosen, whatever was published."""
+    axes = (tuning.Axis("method.outer.lr", (0.2, 0.4, 0.6, 0.8, 1.0)),)
+    regime = tuning.Regime(20.0, 5)
+
+    def loss_with(gap):  # 0.6 is best; 0.4 (published) is `gap` worse
+        def loss(name, config, seed):
+            del name, seed
+            olr = round(config.method.outer.lr, 6)
+            return {0.6: 1.0, 0.4: 1.0 + gap}.get(olr, 1.5)
+
+        return loss
+
+    kept = tuning.coordinate_search(
+        _base(),
+        axes,
+        regime=regime,
+        train=loss_with(0.008),
+        published={"method.outer.lr": 0.4},
+        tie=0.01,
+    )
+    assert kept.best.method.outer.lr == 0.4
+    assert kept.kept == [("method.outer.lr", 0.4, 0.6, pytest.approx(0.008))]
+    moved = tuning.coordinate_search(
+        _base(),
+        axes,
+        regime=regime,
+        train=loss_with(0.012),
+        published={"method.outer.lr": 0.4},
+        tie=0.01,
+    )
+    assert moved.best.method.outer.lr == 0.6
+    assert moved.kept == []
+    for bad in (-0.01, math.nan, math.inf):
+        with pytest.raises(ValueError, match=r"tie=.*>= 0"):
+            tuning.coordinate_search(
+                _base(), axes, regime=regime, train=loss_with(0.0), tie=bad
+            )
 
 
 def test_search_refuses_the_heldout_split():

@@ -20,12 +20,12 @@ it stopped and its records are committed with the artifacts.
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from ..lab.config import RunConfig, preset as make_preset
+from ..lab.config import TUNED, RunConfig, preset as make_preset
 from ..lab.methods import DiLoCoConfig, StreamingConfig
 from . import experiments
 
@@ -100,11 +100,15 @@ class Search:
         trials: every trained trial, in order.
         infeasible: `(field, value, reason)` of each value the budget cannot train
             (e.g. a batch so large that the rounds leave H < 2); never chosen.
+        kept: `(field, value kept, best value, relative gap)` of each decision where
+            the tie rule kept a value nearer the published one than the best trial
+            (`coordinate_search`'s `published`); empty when every choice is the best.
     """
 
     best: RunConfig
     trials: list[Trial]
     infeasible: list[tuple[str, Any, str]] = dataclasses.field(default_factory=list)
+    kept: list[tuple[str, Any, Any, float]] = dataclasses.field(default_factory=list)
 
     def best_values(self, axes: Sequence[Axis]) -> dict[str, Any]:
         """The chosen value of each axis."""
@@ -119,11 +123,24 @@ def coordinate_search(
     seeds: Sequence[int] = (0,),
     metric: str = "eval/global",
     train: Callable[[str, RunConfig, int], float] | None = None,
+    published: Mapping[str, Any] | None = None,
+    tie: float = 0.0,
 ) -> Search:
     """Sweep each axis in turn at the best values so far; extend past an edge.
 
     A value the budget cannot train (`Regime.apply` refuses it, e.g. a batch that
     leaves H < 2) is skipped and listed in `Search.infeasible`.
+
+    **The tie rule.** With `published` choices (a sweep run again, e.g. on another
+    machine type, whose arithmetic moves every loss by a hair), each decision takes,
+    among the values whose loss is within `tie` (relative) of the best, the one
+    nearest the published value (on a log scale), not the best itself. So a search
+    whose losses all move by less than `tie / (2 + tie)` retraces the published path
+    exactly (the same trials, the same choices: each value the first search chose is
+    still within `tie` of the best, and no other is nearer the published one; an edge
+    that was extended towards it still is), while a gap larger than `tie` still
+    moves the choice. Without `published` (or at `tie=0`, up to exact ties) each
+    decision is the best trial.
 
     Args:
         base: the starting config (a preset at some model size).
@@ -134,14 +151,21 @@ def coordinate_search(
         metric: the final evaluation to minimise.
         train: `train(name, config, seed) -> loss`; default `experiments.run_one`
             (recorded, resumable) reading `metric`.
+        published: field → the value a published search chose (`config.TUNED`);
+            fields it lacks are decided by the best trial alone.
+        tie: the relative loss gap within which a value nearer the published one is
+            kept over the best (`TIE` in `tune`); >= 0.
 
     Returns:
         The `Search`.
 
     Raises:
         ValueError: if the base config does not evaluate on the validation split,
-            or no value of an axis can be trained at the budget.
+            `tie` is negative or not finite, or no value of an axis can be trained
+            at the budget.
     """
+    if not (math.isfinite(tie) and tie >= 0):
+        raise ValueError(f"tie={tie!r}; must be a finite number >= 0.")
     if not base.data.validation:
         raise ValueError(
             "DataConfig.validation=False in the base config; tuning must evaluate on "
@@ -172,16 +196,27 @@ def coordinate_search(
         trials.append(t)
         return t
 
+    published = published or {}
+    kept: list[tuple[str, Any, Any, float]] = []
+
+    def choose(axis: Axis, values: list[Any], done: dict[Any, Trial]) -> Any:
+        best = min(values, key=lambda v: done[v].mean)
+        if math.isinf(done[best].mean):
+            raise ValueError(
+                f"no value of {axis.field!r} in {values} can be trained at "
+                f"{regime!r}: {infeasible[-1][2]}"
+            )
+        if axis.field not in published:
+            return best
+        target, low = published[axis.field], done[best].mean
+        near = [v for v in values if done[v].mean <= low + tie * abs(low)]
+        return min(near, key=lambda v: (_distance(v, target), done[v].mean))
+
     for axis in axes:
         values, extensions = list(axis.values), 0
         done = {v: trial(axis, v) for v in values}
         while True:
-            best = min(values, key=lambda v: done[v].mean)
-            if math.isinf(done[best].mean):
-                raise ValueError(
-                    f"no value of {axis.field!r} in {values} can be trained at "
-                    f"{regime!r}: {infeasible[-1][2]}"
-                )
+            best = choose(axis, values, done)
             edge = -1 if best == values[0] else (1 if best == values[-1] else 0)
             if not edge or axis.extend is None or extensions >= axis.max_extensions:
                 break
@@ -191,8 +226,20 @@ def coordinate_search(
             values = sorted(values + [new])
             done[new] = trial(axis, new)
             extensions += 1
+        low = min(values, key=lambda v: done[v].mean)
+        if best != low:  # the tie rule kept another value than the best trial
+            gap = (done[best].mean - done[low].mean) / abs(done[low].mean)
+            kept.append((axis.field, best, low, gap))
         current = regime.apply(set_field(current, axis.field, best))
-    return Search(current, trials, infeasible)
+    return Search(current, trials, infeasible, kept)
+
+
+def _distance(value: Any, target: Any) -> float:
+    """How far an axis value is from a published one: the log ratio for positive
+    numbers (the grids are geometric or nearly so), else the difference."""
+    if value > 0 and target > 0:
+        return abs(math.log(value / target))
+    return abs(value - target)
 
 
 PRESETS: dict[str, str] = {
@@ -232,6 +279,17 @@ WARMUP: Axis = Axis(
 past its edges (twice at most: 1/2 → 3/4 → 7/8)."""
 
 
+TIE: float = 0.01
+"""The protocol's tie rule (`coordinate_search`'s `tie`): a sweep run again keeps a
+published choice while it is within 1 % of the best trial of its axis. A trial is one
+seed, and seeds alone spread these losses by 0.1-1.5 %, so a gap under 1 % does not
+rank two values; the arithmetic of another machine type moves a final loss by a
+median 0.17 % (90 % of re-trained records within 0.54 %, `docs/decisions.md`), enough
+to reorder the many near-ties of a sweep and, with them, the path of the trials after
+them. With the rule a sweep re-trained elsewhere retraces the published path as long
+as no loss moves by more than 0.5 %; a larger gap still moves a choice."""
+
+
 def tune_warmup(
     preset: str,
     model: str,
@@ -242,10 +300,18 @@ def tune_warmup(
 ) -> Search:
     """The warmup swept for one method and size, the other settings at their tuned
     values (`config.TUNED`, without a tuned warmup): the protocol's last axis, on the
-    validation split, the same grid (`WARMUP`) and budget for every method."""
+    validation split, the same grid (`WARMUP`) and budget for every method. The
+    published warmup is kept within `TIE` of the best."""
     base = make_preset(preset, model=model, data={"validation": True})
     base = base.replace(inner={"warmup_fraction": None})
-    return coordinate_search(regime.apply(base), [axis], regime=regime, seeds=seeds)
+    return coordinate_search(
+        regime.apply(base),
+        [axis],
+        regime=regime,
+        seeds=seeds,
+        published=TUNED.get(preset, {}).get(model),
+        tie=TIE,
+    )
 
 
 def tune(
@@ -257,10 +323,19 @@ def tune(
     axes: Sequence[Axis] | None = None,
 ) -> Search:
     """The protocol for one method and model size: `coordinate_search` of
-    `standard_axes` from the preset's defaults, on the validation split."""
+    `standard_axes` from the preset's defaults, on the validation split; a size
+    already in the presets' table (`config.TUNED`) keeps its published choices
+    within `TIE` of the best (the tie rule)."""
     base = make_preset(preset, tuned=False, model=model, data={"validation": True})
     axes = standard_axes(base.method.kind) if axes is None else axes
-    return coordinate_search(regime.apply(base), axes, regime=regime, seeds=seeds)
+    return coordinate_search(
+        regime.apply(base),
+        axes,
+        regime=regime,
+        seeds=seeds,
+        published=TUNED.get(preset, {}).get(model),
+        tie=TIE,
+    )
 
 
 def save_tuned(
