@@ -328,6 +328,19 @@ def test_rounds_sweep_retunes_the_outer_lr_at_each_h_and_pairs_by_seed(monkeypat
         assert r["gap"]["n"] == 3
     held_out = [seed for validation, seed in calls if not validation]
     assert set(held_out) == {0, 1, 2}
+    # A published outer lr 0.6 at R = 12 (H >= 20) is about 4 % worse than 0.8 there:
+    # beyond the tie rule's 1 %, the best is taken; with a 5 % tie it is kept (R = 25
+    # has none published).
+    published = {12: 0.6}
+    again = tuning.rounds_sweep(
+        "tiny-xxs", [12, 25], regime=regime, seeds=(0, 1), published=published
+    )
+    assert [r["outer lr"] for r in again] == [0.8, 0.4]
+    monkeypatch.setattr(tuning, "TIE", 0.05)
+    again = tuning.rounds_sweep(
+        "tiny-xxs", [12, 25], regime=regime, seeds=(0, 1), published=published
+    )
+    assert [r["outer lr"] for r in again] == [0.6, 0.4]
 
 
 def test_save_tuned_writes_each_axis_choice_and_keeps_other_entries(tmp_path):

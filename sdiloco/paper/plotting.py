@@ -98,6 +98,16 @@ def output_dir() -> pathlib.Path:
     return path
 
 
+def published_results(name: str) -> list[dict[str, Any]]:
+    """The result rows of the artifact `name` as last saved in `output_dir()` (its
+    `.json`), or `[]` if it has none: what a notebook published before, e.g. the
+    choices a search run again keeps (`tuning.TIE`)."""
+    path = output_dir() / f"{name}.json"
+    if not path.exists():
+        return []
+    return list(json.loads(path.read_text()).get("results") or [])
+
+
 def style() -> None:
     """One look for every figure (called by the notebooks before plotting)."""
     plt.rcParams.update(

@@ -518,13 +518,15 @@ def rounds_sweep(
     method: str = "Streaming FP4",
     metric: str = "eval/global",
     axes: Callable[[str], Sequence[Axis]] | None = None,
+    published: Mapping[int, float] | None = None,
 ) -> list[dict[str, Any]]:
     """The held-out gap to Data-Parallel at other numbers of outer rounds, same tokens.
 
     Separates the number of syncs from the training budget: for each R in `rounds`,
     `method` at its tuned setting (`tune` at `regime`) with H = steps // R, its outer
     learning rate swept again on the validation split at that H (the protocol's
-    outer-lr axis, extended at its edges: the best outer lr grows with H), then
+    outer-lr axis, extended at its edges: the best outer lr grows with H; a
+    `published` outer lr for R, rounds → lr, is kept within `TIE` of the best), then
     trained with `seeds` on the held-out split and paired by seed with Data-Parallel
     at its tuned setting (which has no rounds).
 
@@ -550,7 +552,14 @@ def rounds_sweep(
         at = dataclasses.replace(regime, rounds=r)
         config = at.apply(best)
         if outer:
-            config = coordinate_search(config, outer, regime=at).best
+            chosen = (published or {}).get(r)
+            config = coordinate_search(
+                config,
+                outer,
+                regime=at,
+                published=None if chosen is None else {"method.outer.lr": chosen},
+                tie=TIE,
+            ).best
         config = config.replace(data={"validation": False})
         losses = [experiments.run_one(method, config, s).final(metric) for s in seeds]
         assert isinstance(config.method, DiLoCoConfig | StreamingConfig)
