@@ -410,16 +410,17 @@ _ = plotting.save_figure(
 # %% [markdown]
 # **What it shows.** At the tuned settings, 20 tokens per parameter, 50 outer rounds
 # and 3 seeds, Streaming DiLoCo with overlapped FP4 trails Data-Parallel on the
-# held-out split by +5.1 % (95 % interval +1.7 to +8.4 %) on tiny-xxxs (6,856
+# held-out split by +6.9 % (95 % interval +2.5 to +11.3 %) on tiny-xxxs (6,856
 # parameters), +5.7 % (−1.3 to +12.7 %) on tiny-xxs, +5.2 % (+1.0 to +9.4 %) on
 # tiny-xs and **+1.3 % (−0.05 to +2.7 %) on tiny-s** (312,512 parameters): within the
-# 2 % goal at the largest size, flat below it. DiLoCo follows the same trend (+22.0,
-# +13.5, +5.2, +1.6 %); at tiny-xxxs its search stayed at a poor point (inner lr
+# 2 % goal at the largest size, +5 to +7 % below it. DiLoCo follows the same trend
+# (+23.9, +13.5, +5.2, +1.6 %); at tiny-xxxs its search stayed at a poor point (inner lr
 # 3e-3, momentum 0.9: the first axes were swept at batch 16, where 50 rounds leave
 # H = 2, the small-H collapse; one pass of coordinate search does not leave it).
 #
 # More tokens at fixed rounds help the small models: from 20 to 80 tokens per
-# parameter +5.1 → +2.5 % on tiny-xxxs and +5.7 → +3.2 % on tiny-xxs; on tiny-xs
+# parameter +6.9 → +1.5 % (−0.2 to +3.2 %) on tiny-xxxs and +5.7 → +3.2 % on tiny-xxs;
+# on tiny-xs
 # +15.5 % at 5 tokens per parameter (H = 8), +5.2 % at 20 and +2.4 % (−0.5 to +5.2 %)
 # at 80. At a fixed 20 tokens per parameter, more outer rounds help too: from
 # 12 rounds (H ≈ 140) to 200 (H = 8) the gap falls from +5.7 to +3.2 % on tiny-xxs
