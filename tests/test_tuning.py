@@ -190,24 +190,20 @@ def test_the_tie_rule_keeps_a_near_tie_and_yields_to_a_real_gap():
 
         return loss
 
-    kept = tuning.coordinate_search(
-        _base(),
-        axes,
-        regime=regime,
-        train=loss_with(0.008),
-        published={"method.outer.lr": 0.4},
-        tie=0.01,
-    )
+    def search(gap):
+        return tuning.coordinate_search(
+            _base(),
+            axes,
+            regime=regime,
+            train=loss_with(gap),
+            published={"method.outer.lr": 0.4},
+            tie=0.01,
+        )
+
+    kept = search(0.008)
     assert kept.best.method.outer.lr == 0.4
     assert kept.kept == [("method.outer.lr", 0.4, 0.6, pytest.approx(0.008))]
-    moved = tuning.coordinate_search(
-        _base(),
-        axes,
-        regime=regime,
-        train=loss_with(0.012),
-        published={"method.outer.lr": 0.4},
-        tie=0.01,
-    )
+    moved = search(0.012)
     assert moved.best.method.outer.lr == 0.6
     assert moved.kept == []
     for bad in (-0.01, math.nan, math.inf):
