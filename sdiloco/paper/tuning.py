@@ -198,25 +198,17 @@ def coordinate_search(
 
     published = published or {}
     kept: list[tuple[str, Any, Any, float]] = []
-
-    def choose(axis: Axis, values: list[Any], done: dict[Any, Trial]) -> Any:
-        best = min(values, key=lambda v: done[v].mean)
-        if math.isinf(done[best].mean):
-            raise ValueError(
-                f"no value of {axis.field!r} in {values} can be trained at "
-                f"{regime!r}: {infeasible[-1][2]}"
-            )
-        if axis.field not in published:
-            return best
-        target, low = published[axis.field], done[best].mean
-        near = [v for v in values if done[v].mean <= low + tie * abs(low)]
-        return min(near, key=lambda v: (_distance(v, target), done[v].mean))
-
     for axis in axes:
         values, extensions = list(axis.values), 0
         done = {v: trial(axis, v) for v in values}
         while True:
-            best = choose(axis, values, done)
+            low = min(values, key=lambda v: done[v].mean)
+            if math.isinf(done[low].mean):
+                raise ValueError(
+                    f"no value of {axis.field!r} in {values} can be trained at "
+                    f"{regime!r}: {infeasible[-1][2]}"
+                )
+            best = _pick(values, done, published.get(axis.field), tie)
             edge = -1 if best == values[0] else (1 if best == values[-1] else 0)
             if not edge or axis.extend is None or extensions >= axis.max_extensions:
                 break
@@ -226,12 +218,22 @@ def coordinate_search(
             values = sorted(values + [new])
             done[new] = trial(axis, new)
             extensions += 1
-        low = min(values, key=lambda v: done[v].mean)
         if best != low:  # the tie rule kept another value than the best trial
             gap = (done[best].mean - done[low].mean) / abs(done[low].mean)
             kept.append((axis.field, best, low, gap))
         current = regime.apply(set_field(current, axis.field, best))
     return Search(current, trials, infeasible, kept)
+
+
+def _pick(values: list[Any], done: dict[Any, Trial], target: Any, tie: float) -> Any:
+    """An axis' decision: its best trial, or, with a published `target`, the value
+    nearest it among those within `tie` of the best (`coordinate_search`)."""
+    best = min(values, key=lambda v: done[v].mean)
+    if target is None:
+        return best
+    low = done[best].mean
+    near = [v for v in values if done[v].mean <= low + tie * abs(low)]
+    return min(near, key=lambda v: (_distance(v, target), done[v].mean))
 
 
 def _distance(value: Any, target: Any) -> float:
