@@ -478,3 +478,17 @@ def test_sensitivity_moves_one_axis_at_a_time_and_pairs_by_seed(monkeypatch):
     for config, _ in trained:
         changed = [f for f, v in tuned.items() if tuning.get_field(config, f) != v]
         assert len(changed) <= 1
+
+
+def test_published_results_reads_the_last_saved_rows(tmp_path, monkeypatch):
+    """What the rounds sweep keeps comes from its artifact as last saved; with none,
+    nothing is published (and the search decides by its best trials)."""
+    from sdiloco.paper import plotting
+
+    monkeypatch.setenv("SDILOCO_FIGURES_DIR", str(tmp_path))
+    assert plotting.published_results("hyperparameter_sweep_rounds") == []
+    rows = [{"model": "tiny-xxs", "rounds": 12, "outer lr": 1.2}]
+    (tmp_path / "hyperparameter_sweep_rounds.json").write_text(
+        json.dumps({"artifact": "hyperparameter_sweep_rounds", "results": rows})
+    )
+    assert plotting.published_results("hyperparameter_sweep_rounds") == rows
