@@ -1,7 +1,10 @@
-"""Helpers shared by the benchmark scripts: the machine, configs, batches, timing."""
+"""Helpers shared by the benchmark scripts (and the tests' multi-process jobs): the
+machine, configs, batches, timing, and reading the output of several processes."""
 
+import concurrent.futures
 import os
 import platform
+import subprocess
 import time
 from collections.abc import Callable
 from typing import Any
@@ -140,3 +143,30 @@ def timed(f: Callable[[], Any]) -> tuple[Any, float, float]:
     w0, c0 = time.perf_counter(), time.process_time()
     out = jax.block_until_ready(f())
     return out, time.perf_counter() - w0, time.process_time() - c0
+
+
+def communicate_all(
+    procs: list[subprocess.Popen], timeout: float
+) -> list[tuple[Any, Any]]:
+    """Every process's `communicate()` (stdout, stderr), read at once, one thread per
+    process; one still running `timeout` seconds from now is killed (its output up
+    to then is returned).
+
+    Reading the processes one after the other can hang a job: a process whose pipe
+    nobody reads blocks in its next write once the pipe holds 64 KiB (a progress bar
+    writes that in about a minute), and if the process being read waits for it (an
+    island that stays to serve heals until every island is done), neither moves
+    until a timeout ends one of them."""
+    deadline = time.monotonic() + timeout
+
+    def finish(p: subprocess.Popen) -> tuple[Any, Any]:
+        try:
+            return p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            return p.communicate()
+
+    if not procs:
+        return []
+    with concurrent.futures.ThreadPoolExecutor(len(procs)) as pool:
+        return list(pool.map(finish, procs))

@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from ._common import machine
+from ._common import communicate_all, machine
 
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -105,20 +105,11 @@ class Job:
             time.sleep(0.02)
 
     def finish(self, timeout: float = 900) -> None:
-        deadline = time.monotonic() + timeout
         procs = [*self.islands, *self.extra, self.coordinator]
-        try:
-            for p in procs:
-                if p.returncode == -signal.SIGKILL:  # killed and reaped already
-                    continue
-                out, _ = p.communicate(timeout=max(1, deadline - time.monotonic()))
-                if p.returncode != 0:
-                    raise RuntimeError(f"a process failed:\n{out[-3000:]}")
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.communicate()
+        procs = [p for p in procs if p.returncode != -signal.SIGKILL]  # reaped
+        for p, (out, _) in zip(procs, communicate_all(procs, timeout)):
+            if p.returncode != 0:
+                raise RuntimeError(f"a process failed:\n{out[-3000:]}")
 
 
 def measure(job: Job, restart_at: float | None) -> dict:
@@ -402,19 +393,11 @@ def _per_round(results: list[dict], repeats: int) -> dict:
 
 def _collect(procs: list[subprocess.Popen], timeout: float) -> list[dict]:
     """Each process's last output line as JSON (the coordinator's: its summary)."""
-    deadline = time.monotonic() + timeout
     out = []
-    try:
-        for p in procs:
-            text, _ = p.communicate(timeout=max(1, deadline - time.monotonic()))
-            if p.returncode != 0:
-                raise RuntimeError(f"a process failed:\n{text[-3000:]}")
-            out.append(json.loads(text.strip().splitlines()[-1]))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
+    for p, (text, _) in zip(procs, communicate_all(procs, timeout)):
+        if p.returncode != 0:
+            raise RuntimeError(f"a process failed:\n{text[-3000:]}")
+        out.append(json.loads(text.strip().splitlines()[-1]))
     return out
 
 

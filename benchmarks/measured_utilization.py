@@ -34,6 +34,7 @@ import numpy as np
 
 import sdiloco.sim.utilization as ut
 from benchmarks import wan
+from benchmarks._common import communicate_all
 from benchmarks.wan_train_worker import METHODS
 
 
@@ -159,7 +160,7 @@ def run_method(name: str, args, rates: list[float] | None = None) -> dict:
                     f"  {name}: window {i}, {rates[i] or 'no limit'} Mbit/s", flush=True
                 )
             left = max(1.0, deadline - time.time())
-            outs = [p.communicate(timeout=left)[0] for p in procs]
+            outs = [out for out, _ in communicate_all(procs, left)]
         finally:
             for p in procs:
                 p.kill()

@@ -14,6 +14,7 @@ import numpy as np
 import optax
 
 import sdiloco
+from benchmarks._common import communicate_all
 
 
 def toy_params(key, *, dim=3, hidden=2, layers=4, dtype=jnp.float32):
@@ -187,19 +188,11 @@ def wait_until(condition, timeout: float, poll: float = 0.01) -> None:
 
 
 def finish_processes(procs, timeout: float) -> list[str]:
-    """The processes' outputs; fails on a non-zero exit, and kills any still running
-    past `timeout` seconds (so a hung job fails the test instead of hanging it)."""
-    deadline = time.monotonic() + timeout
-    outputs = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            outputs.append(out)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
+    """The processes' outputs (stdout, stderr merged into it), all read at once
+    (`communicate_all`: a process whose pipe is not read stalls once it holds
+    64 KiB); fails on a non-zero exit, and kills any still running past `timeout`
+    seconds (so a hung job fails the test instead of hanging it)."""
+    outputs = [out for out, _ in communicate_all(procs, timeout)]
     for p, out in zip(procs, outputs):
         assert p.returncode == 0, out[-4000:]
     return outputs

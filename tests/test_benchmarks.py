@@ -1,9 +1,12 @@
-"""The machine-independent parts of `benchmarks/`: compile count, bits, state bytes, and
-what the sync-heavy benchmark times."""
+"""The machine-independent parts of `benchmarks/`: compile count, bits, state bytes,
+what the sync-heavy benchmark times, and reading several processes' output."""
 
 import importlib
 import pathlib
+import signal
+import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -144,6 +147,41 @@ def test_compare_versions_loads_a_copy_of_the_package_under_its_own_name(tmp_pat
     assert sys.modules["sdl_copy.streaming"].__name__ == "sdl_copy.streaming"
     with pytest.raises(SystemExit, match="not a copy of the sdiloco package"):
         compare_versions.load(str(tmp_path), "sdl_missing")
+
+
+def _python(code: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True
+    )
+
+
+def test_communicate_all_reads_every_pipe_at_once(tmp_path):
+    """B writes 256 KiB, then leaves a file that A waits for (as an island that
+    stays to serve heals waits for the others to finish). Read A alone and B blocks
+    in its write once its pipe is full: A never ends. Read both at once: both end."""
+    flag = str(tmp_path / "b-wrote")
+    a = _python(
+        f"import os, time\nwhile not os.path.exists({flag!r}): time.sleep(0.01)\n"
+        "print('a')"
+    )
+    b = _python(
+        f"import pathlib, sys\nsys.stdout.write('x' * (256 << 10))\nsys.stdout.flush()"
+        f"\npathlib.Path({flag!r}).touch()"
+    )
+    with pytest.raises(subprocess.TimeoutExpired):
+        a.communicate(timeout=3)  # the hang of reading one after the other
+    outputs = _common.communicate_all([a, b], timeout=60)
+    assert [out for out, _ in outputs] == ["a\n", "x" * (256 << 10)]
+    assert a.returncode == b.returncode == 0
+
+
+def test_communicate_all_kills_what_outlives_the_timeout():
+    slow, quick = _python("import time; time.sleep(60)"), _python("print('done')")
+    start = time.monotonic()
+    outputs = _common.communicate_all([slow, quick], timeout=2)
+    assert time.monotonic() - start < 20
+    assert slow.returncode == -signal.SIGKILL and quick.returncode == 0
+    assert outputs[1][0] == "done\n"
 
 
 @pytest.mark.integration

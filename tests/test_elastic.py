@@ -28,7 +28,13 @@ import equinox as eqx
 import jax
 import numpy as np
 import pytest
-from helpers import assert_trees_allclose, cpu_env, finish_processes, free_port
+from helpers import (
+    assert_trees_allclose,
+    communicate_all,
+    cpu_env,
+    finish_processes,
+    free_port,
+)
 
 from benchmarks import wan
 from sdiloco.distributed.board import Membership, RoundLog
@@ -45,7 +51,6 @@ FLAGS = [
     "--sync-every=6",
     "--batch-size=6",
     "--eval-windows=64",
-    "--no-progress",
 ]
 """Streaming DiLoCo with overlapped FP4 (3 fragments, τ = 1), M = 3 islands, H = 6."""
 
@@ -164,10 +169,11 @@ def test_islands_train_the_simulated_run(tmp_path, tau):
     # quantization step, so the comparison would test the quantizer, not the job.
     # τ = 0 (no overlap): each round between the halves of the step that sends.
     steps = 36
-    coordinator, islands, _ = _job(
-        tmp_path, steps, grace=100, extra=["--quantizer=none", f"--overlap={tau}"]
-    )
-    finish_processes([*islands, coordinator], timeout=400)
+    quiet = ["--quantizer=none", f"--overlap={tau}", "--no-progress"]
+    coordinator, islands, _ = _job(tmp_path, steps, grace=100, extra=quiet)
+    outputs = finish_processes([*islands, coordinator], timeout=400)
+    # `--no-progress` is honoured: no bar on an island either.
+    assert not any("it/s" in out or f"/{steps} [" in out for out in outputs)
     decisions = _summary(tmp_path, "coordinator.json")
     assert decisions and all(d["members"] == [0, 1, 2] for d in decisions)
     assert not any(d["timed_out"] for d in decisions)
@@ -393,7 +399,7 @@ def test_an_island_that_loses_the_board_ends_with_one_line(tmp_path):
         coordinator.kill()  # the board is gone
         coordinator.communicate()
         lost = time.monotonic()
-        outputs = [p.communicate(timeout=60)[0] for p in islands]
+        outputs = [out for out, _ in communicate_all(islands, 60)]
         took = time.monotonic() - lost
     finally:
         for p in [coordinator, *islands]:

@@ -29,7 +29,13 @@ import time
 import jax
 import numpy as np
 import pytest
-from helpers import cpu_env, finish_processes, free_port, start_processes
+from helpers import (
+    communicate_all,
+    cpu_env,
+    finish_processes,
+    free_port,
+    start_processes,
+)
 
 import sdiloco
 from sdiloco.lab import cluster, config as config_lib, train
@@ -441,7 +447,7 @@ def test_processes_that_disagree_on_the_job_size_are_told(tmp_path):
         for i, n in ((0, 2), (1, 3))
     ]
     try:
-        errors = [p.communicate(timeout=90)[1] for p in procs]
+        errors = [err for _, err in communicate_all(procs, 90)]
     finally:
         for p in procs:
             if p.poll() is None:

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from benchmarks import wan
+from benchmarks._common import communicate_all
 
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -46,7 +47,7 @@ def _exchange(rate_mbit, elements=1 << 20, rounds=3) -> dict:
         options = ["--elements", str(elements), "--rounds", str(rounds)]
         procs = net.start(lambda i: [*argv, "2", str(i), *options], env=env, cwd=ROOT)
         try:
-            outs = [p.communicate(timeout=120)[0] for p in procs]
+            outs = [out for out, _ in communicate_all(procs, 120)]
         finally:
             for p in procs:
                 p.kill()

@@ -215,7 +215,9 @@ def _island(args: argparse.Namespace) -> int:
     from .train import Interrupted
 
     try:
-        summary = island(cfg, args.replica, options, args.out)
+        summary = island(
+            cfg, args.replica, options, args.out, progress=not args.no_progress
+        )
     except BoardError as e:
         return _fail(str(e), status=1)
     except Interrupted as e:

@@ -97,12 +97,15 @@ def island(
     replica: int,
     options: BoardOptions,
     out_dir: str | os.PathLike | None = None,
+    *,
+    progress: bool = True,
 ) -> dict[str, Any]:
     """Train island `replica` of `config` on the board; returns its summary.
 
     The island is `train.run` with the board as its transport (`BoardTransport`):
     the same loop, logging, evaluations, checkpoints (under `out/island-<m>/`, with
-    its `history.json`) and progress bar as any run. Around it, this connects to
+    its `history.json`) and progress bar (unless `progress` is False:
+    `--no-progress`) as any run. Around it, this connects to
     the board, offers a depot for its messages and heals, writes the step file and
     the summary, says it is done, and serves the heals peers still ask for until
     every island is done (`BoardTransport.serve_until_end`).
@@ -147,6 +150,7 @@ def island(
             transport=transport,
             resume=False,  # a restarted island heals from a peer (newer)
             callback=_StepFile(out_dir, replica, config),
+            progress=progress,
         )
         summary = _summary(history, transport, replica, started)
         _finish(board, replica, out_dir, summary, history.state.global_params)

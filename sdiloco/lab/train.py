@@ -697,9 +697,12 @@ class _Log:
         )
 
     def say(self, text: str) -> None:
-        """A line beside the bar, on stderr (stdout stays for results)."""
+        """A line on stderr (stdout stays for results), beside the bar if there is
+        one: an island's news of its peers is shown with or without the bar."""
         if self.progress:
             self.bar.write(text, file=sys.stderr)
+        else:
+            print(text, file=sys.stderr, flush=True)
 
     def jump(self, step: int) -> None:
         """The run moved on to `step` without training the steps between (an
