@@ -25,6 +25,8 @@ import sys
 import time
 
 import equinox as eqx
+import hypothesis
+import hypothesis.strategies as st
 import jax
 import numpy as np
 import pytest
@@ -330,6 +332,21 @@ def test_bad_flags_are_one_line(argv, message):
     assert status == 2
     lines = err.getvalue().strip().splitlines()
     assert len(lines) == 1 and message in lines[0], lines
+
+
+@hypothesis.given(
+    grace=st.floats(0.1, 300.0), heartbeat=st.integers(1, 3600), slack=st.floats(1, 9)
+)
+def test_a_rounds_copies_stay_while_a_silent_island_still_counts_as_live(
+    grace, heartbeat, slack
+):
+    # An island stopped for less than the heartbeat still counts as live; when it
+    # goes on, the board's copies of the round it was reading must still be there.
+    options = elastic_lib.BoardOptions(
+        "127.0.0.1:1", grace_s=grace, timeout_s=grace + slack, heartbeat_s=heartbeat
+    )
+    assert options.keep_s >= heartbeat + grace
+    assert options.keep_s >= max(60.0, 4 * grace)
 
 
 def test_the_step_file_is_replaced_whole(tmp_path):

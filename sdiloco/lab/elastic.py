@@ -84,6 +84,15 @@ class BoardOptions:
                 "timeout longer than the grace window."
             )
 
+    @property
+    def keep_s(self) -> float:
+        """How long a decided round's copies stay on the board at most (when some
+        live island has not read them): as long as an island may be silent and still
+        count as live (the heartbeat) and a grace window more, and at least 60 s and
+        4 grace windows. So an island stopped for less than the heartbeat still finds
+        the rounds it was reading when it goes on."""
+        return max(60.0, 4 * self.grace_s, self.heartbeat_s + self.grace_s)
+
 
 EVAL_AT_END = True
 """Islands score θ_g on the held-out set at the end only. An evaluation inside the
@@ -233,7 +242,7 @@ def run_coordinator(
             num_replicas,
             grace_s=options.grace_s,
             start_s=float(options.connect_timeout_s),
-            keep_s=max(60.0, 4 * options.grace_s),
+            keep_s=options.keep_s,
             live=board.live,
         )
         decisions = coordinator.run(stop.is_set)
