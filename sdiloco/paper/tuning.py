@@ -164,13 +164,7 @@ def coordinate_search(
             `tie` is negative or not finite, or no value of an axis can be trained
             at the budget.
     """
-    if not (math.isfinite(tie) and tie >= 0):
-        raise ValueError(f"tie={tie!r}; must be a finite number >= 0.")
-    if not base.data.validation:
-        raise ValueError(
-            "DataConfig.validation=False in the base config; tuning must evaluate on "
-            "the validation split, not on the held-out split the tables report."
-        )
+    _check_search(base, tie)
 
     def recorded(name: str, config: RunConfig, seed: int) -> float:
         return experiments.run_one(name, config, seed).final(metric)
@@ -202,13 +196,12 @@ def coordinate_search(
         values, extensions = list(axis.values), 0
         done = {v: trial(axis, v) for v in values}
         while True:
-            low = min(values, key=lambda v: done[v].mean)
+            best, low = _pick(values, done, published.get(axis.field), tie)
             if math.isinf(done[low].mean):
                 raise ValueError(
                     f"no value of {axis.field!r} in {values} can be trained at "
                     f"{regime!r}: {infeasible[-1][2]}"
                 )
-            best = _pick(values, done, published.get(axis.field), tie)
             edge = -1 if best == values[0] else (1 if best == values[-1] else 0)
             if not edge or axis.extend is None or extensions >= axis.max_extensions:
                 break
@@ -225,15 +218,29 @@ def coordinate_search(
     return Search(current, trials, infeasible, kept)
 
 
-def _pick(values: list[Any], done: dict[Any, Trial], target: Any, tie: float) -> Any:
-    """An axis' decision: its best trial, or, with a published `target`, the value
-    nearest it among those within `tie` of the best (`coordinate_search`)."""
+def _pick(
+    values: list[Any], done: dict[Any, Trial], target: Any, tie: float
+) -> tuple[Any, Any]:
+    """An axis' decision and its best trial's value: the decision is the best, or,
+    with a published `target`, the value nearest it among those within `tie` of the
+    best (`coordinate_search`)."""
     best = min(values, key=lambda v: done[v].mean)
     if target is None:
-        return best
+        return best, best
     low = done[best].mean
     near = [v for v in values if done[v].mean <= low + tie * abs(low)]
-    return min(near, key=lambda v: (_distance(v, target), done[v].mean))
+    return min(near, key=lambda v: (_distance(v, target), done[v].mean)), best
+
+
+def _check_search(base: RunConfig, tie: float) -> None:
+    """`coordinate_search`'s bad input, before any trial."""
+    if not (math.isfinite(tie) and tie >= 0):
+        raise ValueError(f"tie={tie!r}; must be a finite number >= 0.")
+    if not base.data.validation:
+        raise ValueError(
+            "DataConfig.validation=False in the base config; tuning must evaluate on "
+            "the validation split, not on the held-out split the tables report."
+        )
 
 
 def _distance(value: Any, target: Any) -> float:
