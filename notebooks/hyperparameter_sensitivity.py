@@ -63,6 +63,7 @@ sweeps = {
         preset, MODEL, regime=ex.REGIME, axes=axes(preset), seeds=SEEDS
     )
     for name, preset in tuning.PRESETS.items()
+    if not ex.FAST or name != "DiLoCo"  # FAST: Data-Parallel and one method
 }
 
 
