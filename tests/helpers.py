@@ -154,11 +154,14 @@ def toy_streaming(params, *, num_replicas, layers_per_fragment=1, **kwargs):
 
 
 def cpu_env(devices: int, *paths: str) -> dict:
-    """The environment of a test subprocess: CPU only, `devices` CPU devices, and
-    `paths` (the repository, the tests) on PYTHONPATH."""
+    """The environment of a test subprocess: CPU only, `devices` CPU devices, the
+    tests' other XLA flags (so that it compiles as the test does), and `paths` (the
+    repository, the tests) on PYTHONPATH."""
+    count = "--xla_force_host_platform_device_count"
+    others = [f for f in os.environ.get("XLA_FLAGS", "").split() if count not in f]
     return dict(
         os.environ,
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        XLA_FLAGS=" ".join([f"{count}={devices}", *others]),
         JAX_PLATFORMS="cpu",
         PYTHONPATH=os.pathsep.join(paths),
     )
