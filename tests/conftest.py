@@ -5,10 +5,11 @@ import tempfile
 
 
 # Must happen before jax initialises its backend. Four CPU devices; and LLVM without
-# optimisation: XLA:CPU compiles dominate the suite's time and run about a third
-# faster so, the few long runs a little slower (test_train.py: 264 -> 211 s). No test
-# compares a number with the records' (made at XLA's default), and the subprocesses
-# a test compares with compile as it does (`helpers.cpu_env`).
+# optimisation: XLA:CPU compiles run about a third faster so, the few long runs a
+# little slower (cold cache, 2 cores: test_train.py 264 -> 211 s; the fresh-clone
+# .ci/run 1,766 -> 1,670 s). No test compares a number with the records' (made at
+# XLA's default), and the subprocesses a test compares with compile as it does
+# (`helpers.cpu_env`).
 os.environ.setdefault(
     "XLA_FLAGS",
     "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0",
