@@ -15,6 +15,7 @@ program; an all-gather moves bytes exactly).
 
 import contextlib
 import math
+import os
 import pathlib
 import re
 import socket
@@ -498,3 +499,19 @@ def test_collectives_name_the_mesh_axes_of_every_group_format():
         "  %cp = f32[4]{0} collective-permute(%x), source_target_pairs={{0,2},{2,0}}"
     )
     assert distributed.collectives(permute, mesh)[0].axes == ("replica",)
+
+
+def test_a_test_subprocess_compiles_with_the_suites_xla_flags(monkeypatch):
+    # A subprocess a test compares with bitwise must compile as the test does: it gets
+    # its own device count and every other XLA flag of the suite (conftest.py).
+    monkeypatch.setenv(
+        "XLA_FLAGS",
+        "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0",
+    )
+    env = cpu_env(2, "repo", "tests")
+    assert env["XLA_FLAGS"].split() == [
+        "--xla_force_host_platform_device_count=2",
+        "--xla_backend_optimization_level=0",
+    ]
+    assert env["JAX_PLATFORMS"] == "cpu"
+    assert env["PYTHONPATH"].split(os.pathsep) == ["repo", "tests"]
