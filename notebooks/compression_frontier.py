@@ -48,6 +48,8 @@
 # `... --muon-baseline` (resumable; every run is a record).
 
 # %%
+import dataclasses
+
 import matplotlib.pyplot as plt
 import numpy as np
 
@@ -64,7 +66,19 @@ CHECKED = (frontier.PAPER,) if plotting.FAST else frontier.CHECKED
 MUON = {r for r in RECIPES if "Muon" in r}
 
 # %%
-searches = {r: frontier.tune(r, MODEL, regime=ex.REGIME) for r in RECIPES}
+
+
+def swept(recipe):
+    """The axes a recipe is tuned on (FAST mode: the outer lr alone, two values)."""
+    inner, outer = frontier.axes(recipe, MODEL)
+    if not plotting.FAST:
+        return (inner, outer)
+    return (dataclasses.replace(outer, values=outer.values[1:], extend=None),)
+
+
+searches = {
+    r: frontier.tune(r, MODEL, regime=ex.REGIME, swept=swept(r)) for r in RECIPES
+}
 configs, baselines = {}, {}
 for m in REPLICAS:
     baselines[f"M={m}"] = frontier.baseline(m, model=MODEL, regime=ex.REGIME)

@@ -76,11 +76,13 @@ SEEDS = (0,)
 
 
 def axes(preset):
-    """The protocol's axes (the first two, two values each, in FAST mode)."""
+    """The protocol's axes (FAST mode: one, two values: the inner lr for
+    Data-Parallel, the outer lr for the DiLoCo family, which the rounds sweep reuses)."""
     full = tuning.standard_axes(config_lib.preset(preset).method.kind)
     if not FAST:
         return full
-    return tuple(tuning.Axis(a.field, a.values[1:3]) for a in full[:2])
+    one = "inner.lr" if len(full) == 2 else "method.outer.lr"
+    return tuple(tuning.Axis(a.field, a.values[1:3]) for a in full if a.field == one)
 
 
 # %%

@@ -52,7 +52,21 @@ compiles (which collectives, loops and copies it holds), which another jax and X
 lay out otherwise with no bug. On another version they are skipped, saying so."""
 
 
+HEAVY_FIRST = ("notebook", "multiprocess", "integration")
+"""The tiers whose tests each take tens of seconds to minutes, run before the rest:
+`pytest -n 2` deals tests to its workers in collection order, so a long test collected
+last keeps one worker busy after the other has finished (about 2 minutes of the suite's
+26 in a fresh clone); first, the short unit tests fill in around them."""
+
+
+def _tier(item) -> int:
+    return next(
+        (i for i, m in enumerate(HEAVY_FIRST) if m in item.keywords), len(HEAVY_FIRST)
+    )
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=_tier)  # stable: the order within a tier is the collection's
     if jax.__version__ == HLO_JAX_VERSION:
         return
     skip = pytest.mark.skip(

@@ -419,3 +419,31 @@ def test_the_size_check_carries_the_tuning_over_as_a_multiple():
     assert c.model == "tiny-s" and c.inner.lr == pytest.approx(there / 2)
     assert c.method.outer.lr == 0.6 and c.method.num_replicas == 2
     assert c.method.quantizer == "e4m3"
+
+
+def test_a_frontier_tune_searches_the_axes_it_is_given(monkeypatch):
+    """`frontier.tune(swept=...)`: the search runs over those axes alone, from the
+    recipe's starting config (default: both of `frontier.axes`)."""
+    from sdiloco.paper import frontier, tuning
+
+    searched, done = [], object.__new__(tuning.Search)  # a search, without training
+
+    def search(base, axes, **kwargs):
+        searched.append((base, tuple(axes)))
+        return done
+
+    monkeypatch.setattr(frontier, "coordinate_search", search)
+    inner, outer = frontier.axes(frontier.PAPER, ex.MODEL)
+    assert frontier.tune(frontier.PAPER, ex.MODEL, regime=ex.REGIME) is done
+    assert (
+        frontier.tune(frontier.PAPER, ex.MODEL, regime=ex.REGIME, swept=(outer,))
+        is done
+    )
+    (base, default), (base_again, only_outer) = searched
+    assert [(a.field, a.values) for a in default] == [
+        (inner.field, inner.values),
+        (outer.field, outer.values),
+    ]
+    assert only_outer == (outer,)
+    assert base == base_again and base.data.validation
+    assert base.inner.lr == inner.values[1]  # the starting value an unswept axis keeps

@@ -98,17 +98,22 @@ def tune(
     regime: experiments.Regime,
     num_replicas: int = 2,
     seeds: Sequence[int] = (0,),
+    swept: Sequence[Axis] | None = None,
 ) -> Search:
     """The reduced protocol for one recipe (module docstring), recorded and
-    resumable like every run."""
+    resumable like every run.
+
+    Args:
+        swept: the axes to search, in order; default `axes(recipe, model)`. An axis
+            left out keeps the recipe's starting value (`tuned_config` reads it so).
+    """
     name, changes = RECIPES[recipe]
     method = {**changes.get("method", {}), "num_replicas": num_replicas}
     base = make_preset(
         name, model=model, data={"validation": True}, **{**changes, "method": method}
     )
-    return coordinate_search(
-        regime.apply(base), axes(recipe, model), regime=regime, seeds=seeds
-    )
+    swept = axes(recipe, model) if swept is None else swept
+    return coordinate_search(regime.apply(base), swept, regime=regime, seeds=seeds)
 
 
 def tuned_config(
