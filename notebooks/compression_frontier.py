@@ -65,8 +65,6 @@ RECIPES = [frontier.PAPER] if plotting.FAST else list(frontier.RECIPES)
 CHECKED = (frontier.PAPER,) if plotting.FAST else frontier.CHECKED
 MUON = {r for r in RECIPES if "Muon" in r}
 
-# %%
-
 
 def swept(recipe):
     """The axes a recipe is tuned on (FAST mode: the outer lr alone, two values)."""
@@ -76,6 +74,7 @@ def swept(recipe):
     return (dataclasses.replace(outer, values=outer.values[1:], extend=None),)
 
 
+# %%
 searches = {
     r: frontier.tune(r, MODEL, regime=ex.REGIME, swept=swept(r)) for r in RECIPES
 }
