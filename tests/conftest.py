@@ -53,10 +53,13 @@ lay out otherwise with no bug. On another version they are skipped, saying so.""
 
 
 HEAVY_FIRST = ("notebook", "multiprocess", "integration")
-"""The tiers whose tests each take tens of seconds to minutes, run before the rest:
-`pytest -n 2` deals tests to its workers in collection order, so a long test collected
-last keeps one worker busy after the other has finished (about 2 minutes of the suite's
-26 in a fresh clone); first, the short unit tests fill in around them."""
+"""The tiers whose tests each take tens of seconds to minutes, run before the rest.
+`pytest -n 2` hands tests out in collection order, one at a time as a worker frees up
+(`--maxschedchunk=1` in pyproject.toml; by default each worker is first given a
+quarter of its share in one block, which would put every heavy test on one worker):
+a long test collected last kept one worker busy after the other had finished (about
+2 minutes of the suite's 26 in a fresh clone); first, the short unit tests fill in
+around them."""
 
 
 def _tier(item) -> int:
