@@ -53,17 +53,25 @@ lay out otherwise with no bug. On another version they are skipped, saying so.""
 
 
 HEAVY_FIRST = ("notebook", "multiprocess", "integration")
-"""The tiers whose tests each take tens of seconds to minutes, run before the rest.
-`pytest -n 2` hands tests out in collection order, one at a time as a worker frees up
-(`--maxschedchunk=1` in pyproject.toml; by default each worker is first given a
-quarter of its share in one block, which would put every heavy test on one worker):
-a long test collected last kept one worker busy after the other had finished (about
-2 minutes of the suite's 26 in a fresh clone); first, the short unit tests fill in
-around them. The price: two multi-process jobs now often run at once, and each took
-1.2-1.8x as long (the SIGKILL test 139 -> 187 s); still, pytest went from 1,540 to
-1,461 s. Running them as one `xdist_group` would avoid it, but `--dist=loadgroup`
-groups nothing with pytest 9.2 (xdist 3.8 renames `item._nodeid`, which pytest 9 no
-longer reads)."""
+"""The tiers whose tests each take tens of seconds to minutes, run before the rest, so
+that no long test is left for one worker at the end while the other has finished
+(about 2 minutes of the suite's 26 in a fresh clone, when the notebooks came last);
+the short unit tests fill in around them. `pytest -n 2` hands tests out in this order,
+one at a time as a worker frees up (`pytest_xdist_make_scheduler` below)."""
+
+MULTIPROCESS_FILES = (
+    "tests/test_distributed.py",
+    "tests/test_elastic.py",
+    "tests/test_scale_out.py",
+    "tests/test_wan.py",
+)
+"""The files that hold the `multiprocess` tests (checked at collection). Under
+`pytest -n 2` each of these files runs whole on one worker, one test after another:
+a multi-process test starts 2-4 processes that wait on each other in real time, and
+two such jobs at once on 2 cores took 1.2-1.8x as long each (the SIGKILL test
+139 -> 187 s). xdist's own `--dist=loadgroup` would do it by marker, but with pytest
+9.2 it groups nothing (xdist 3.8 renames `item._nodeid`, which pytest 9 no longer
+reads), and the scheduler sees only test ids, hence the files."""
 
 
 def _tier(item) -> int:
@@ -72,8 +80,36 @@ def _tier(item) -> int:
     )
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class MultiProcessFilesTogether(LoadScopeScheduling):
+        """Every test on its own, in collection order, but the multi-process files
+        together (a larger scope goes first: the 2-4-process jobs start at once)."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::")[0]
+            return "multiprocess" if path in MULTIPROCESS_FILES else nodeid
+
+    return MultiProcessFilesTogether(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
     items.sort(key=_tier)  # stable: the order within a tier is the collection's
+    strays = sorted(
+        {
+            item.nodeid.split("::")[0]
+            for item in items
+            if "multiprocess" in item.keywords
+            and item.nodeid.split("::")[0] not in MULTIPROCESS_FILES
+        }
+    )
+    if strays:
+        raise pytest.UsageError(
+            f"multiprocess tests in {strays}: add the files to "
+            "conftest.MULTIPROCESS_FILES"
+        )
     if jax.__version__ == HLO_JAX_VERSION:
         return
     skip = pytest.mark.skip(
