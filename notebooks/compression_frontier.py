@@ -48,12 +48,10 @@
 # `... --muon-baseline` (resumable; every run is a record).
 
 # %%
-import dataclasses
-
 import matplotlib.pyplot as plt
 import numpy as np
 
-from sdiloco.paper import experiments as ex, frontier, plotting
+from sdiloco.paper import experiments as ex, frontier, plotting, tuning
 
 
 plotting.style()
@@ -71,7 +69,7 @@ def swept(recipe):
     inner, outer = frontier.axes(recipe, MODEL)
     if not plotting.FAST:
         return (inner, outer)
-    return (dataclasses.replace(outer, values=outer.values[1:], extend=None),)
+    return (tuning.Axis(outer.field, outer.values[1:]),)
 
 
 # %%

@@ -78,10 +78,11 @@ SEEDS = (0,)
 def axes(preset):
     """The protocol's axes (FAST mode: one, two values: the inner lr for
     Data-Parallel, the outer lr for the DiLoCo family, which the rounds sweep reuses)."""
-    full = tuning.standard_axes(config_lib.preset(preset).method.kind)
+    kind = config_lib.preset(preset).method.kind
+    full = tuning.standard_axes(kind)
     if not FAST:
         return full
-    one = "inner.lr" if len(full) == 2 else "method.outer.lr"
+    one = "inner.lr" if kind == "data_parallel" else "method.outer.lr"
     return tuple(tuning.Axis(a.field, a.values[1:3]) for a in full if a.field == one)
 
 

@@ -74,6 +74,10 @@ two such jobs at once on 2 cores took 1.2-1.8x as long each (the SIGKILL test
 reads), and the scheduler sees only test ids, hence the files."""
 
 
+def _file(nodeid: str) -> str:
+    return nodeid.split("::")[0]
+
+
 def _tier(item) -> int:
     return next(
         (i for i, m in enumerate(HEAVY_FIRST) if m in item.keywords), len(HEAVY_FIRST)
@@ -89,22 +93,17 @@ def pytest_xdist_make_scheduler(config, log):
         together (a larger scope goes first: the 2-4-process jobs start at once)."""
 
         def _split_scope(self, nodeid: str) -> str:
-            path = nodeid.split("::")[0]
-            return "multiprocess" if path in MULTIPROCESS_FILES else nodeid
+            return "multiprocess" if _file(nodeid) in MULTIPROCESS_FILES else nodeid
 
     return MultiProcessFilesTogether(config, log)
 
 
 def pytest_collection_modifyitems(config, items):
     items.sort(key=_tier)  # stable: the order within a tier is the collection's
-    strays = sorted(
-        {
-            item.nodeid.split("::")[0]
-            for item in items
-            if "multiprocess" in item.keywords
-            and item.nodeid.split("::")[0] not in MULTIPROCESS_FILES
-        }
-    )
+    multiprocess = {
+        _file(item.nodeid) for item in items if "multiprocess" in item.keywords
+    }
+    strays = sorted(multiprocess - set(MULTIPROCESS_FILES))
     if strays:
         raise pytest.UsageError(
             f"multiprocess tests in {strays}: add the files to "
