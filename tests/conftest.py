@@ -78,6 +78,12 @@ def _file(nodeid: str) -> str:
     return nodeid.split("::")[0]
 
 
+def scope(nodeid: str) -> str:
+    """The unit `pytest -n 2` hands to a worker that a test belongs to: the test
+    itself, or "multiprocess" for every test of `MULTIPROCESS_FILES`."""
+    return "multiprocess" if _file(nodeid) in MULTIPROCESS_FILES else nodeid
+
+
 def _tier(item) -> int:
     return next(
         (i for i, m in enumerate(HEAVY_FIRST) if m in item.keywords), len(HEAVY_FIRST)
@@ -93,7 +99,7 @@ def pytest_xdist_make_scheduler(config, log):
         together (a larger scope goes first: the 2-4-process jobs start at once)."""
 
         def _split_scope(self, nodeid: str) -> str:
-            return "multiprocess" if _file(nodeid) in MULTIPROCESS_FILES else nodeid
+            return scope(nodeid)
 
     return MultiProcessFilesTogether(config, log)
 
