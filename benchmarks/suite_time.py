@@ -7,8 +7,10 @@ Run the suite with the plugin (a cold compilation cache, as on a fresh machine):
     python -m benchmarks.suite_time /tmp/suite-time
 
 Per test (in the pytest process only: a test's subprocesses, e.g. notebooks and
-islands, count as its wall time) it records the wall time, each XLA compilation (its
-time and a hash of the program compiled) and JAX's tracing and lowering time. The
+islands, count as its wall time) it records the wall time, the CPU time (of the pytest
+process and of the subprocesses it waited for; well under the wall time means the test
+mostly waits), each XLA compilation (its time and a hash of the program compiled) and
+JAX's tracing and lowering time. The
 summary gives them per file and for the slowest tests, and how much compile time went
 to a program the same worker had compiled before (what sharing programs between tests
 would save; the compilation cache also shares them across workers).
@@ -19,6 +21,7 @@ import hashlib
 import json
 import os
 import pathlib
+import resource
 import sys
 import time
 
@@ -69,11 +72,21 @@ def pytest_configure(config):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     _test["id"] = item.nodeid
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), _cpu_seconds()
     yield
     seconds = time.perf_counter() - start
     _rows.append({"test": item.nodeid, "kind": "wall", "s": seconds})
+    _rows.append({"test": item.nodeid, "kind": "cpu", "s": _cpu_seconds() - cpu})
     _test["id"] = "<between tests>"
+
+
+def _cpu_seconds() -> float:
+    """CPU seconds used so far by this process and the subprocesses it has waited on."""
+    used = 0.0
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+        usage = resource.getrusage(who)
+        used += usage.ru_utime + usage.ru_stime
+    return used
 
 
 def pytest_unconfigure(config):
@@ -106,12 +119,12 @@ def summarize(folder: pathlib.Path, slowest: int = 25) -> str:
                     tally["compiles"] += 1
                     tally["again"] += seconds if again else 0.0
     total = sum(per_file.values(), collections.Counter())
-    head = f"{'':44} {'wall':>7} {'compile':>8} {'count':>6} {'again':>6}"
+    head = f"{'':44} {'wall':>7} {'cpu':>6} {'compile':>8} {'count':>6} {'again':>6}"
     head += f" {'trace':>6} {'lower':>6}"
 
     def line(name, t):
         return (
-            f"{name[-44:]:44} {t['wall']:7.0f} {t['compile']:8.0f} "
+            f"{name[-44:]:44} {t['wall']:7.0f} {t['cpu']:6.0f} {t['compile']:8.0f} "
             f"{t['compiles']:6.0f} {t['again']:6.0f} {t['trace']:6.0f} "
             f"{t['lower']:6.0f}"
         )

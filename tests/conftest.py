@@ -30,12 +30,12 @@ COMPILE_CACHE = os.environ.get(
     "SDILOCO_JAX_CACHE", os.path.join(tempfile.gettempdir(), "sdiloco-jax-cache")
 )
 jax.config.update("jax_compilation_cache_dir", COMPILE_CACHE)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 # The tests' subprocesses (CLI runs, multi-process jobs, islands, notebooks) share it
 # too: a resumed job loads the programs of the run it resumes, and one test's job
 # those of another with the same flags. JAX reads these when it is imported.
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", COMPILE_CACHE)
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 hypothesis.settings.register_profile(
     "dev", max_examples=20, derandomize=True, database=None, deadline=None

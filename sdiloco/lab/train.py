@@ -161,14 +161,17 @@ def enable_compile_cache(path: str | os.PathLike | None = None) -> None:
 
     Uses `path`, else `$SDILOCO_JAX_CACHE`, else JAX's own setting
     (`$JAX_COMPILATION_CACHE_DIR` or `jax_compilation_cache_dir`) when one is
-    given, else `/tmp/sdiloco-jax-cache`; programs that compile in under 0.5 s are
-    not kept.
+    given, else `/tmp/sdiloco-jax-cache`. Every program is kept, however quickly it
+    compiled (JAX keeps only those over 1 s by default): besides its step, a run
+    compiles dozens of small programs (initialisation, evaluation, the array
+    operations around the step) of 20-100 ms each, which every new process (a
+    notebook, an island, a resumed run) would otherwise compile again.
     """
     own = jax.config.jax_compilation_cache_dir  # pyright: ignore[reportAttributeAccessIssue]
     default = own or "/tmp/sdiloco-jax-cache"
     path = path or os.environ.get("SDILOCO_JAX_CACHE", default)
     jax.config.update("jax_compilation_cache_dir", str(path))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
