@@ -248,7 +248,8 @@ def test_optimizer_compressor_and_merge_flags_reach_the_config(
 def test_the_new_presets_train_from_the_cli(preset, tmp_path):
     proc = _cli(
         ["train", "--preset", preset, "--model", "tiny-xxxs", "--steps", "8"]
-        + ["--sync-every", "4", "--no-progress", "--out", str(tmp_path / "out")],
+        + ["--sync-every", "4", "--eval-windows", "64", "--no-progress"]
+        + ["--out", str(tmp_path / "out")],
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr

@@ -424,6 +424,8 @@ def test_new_fields_at_their_default_leave_the_json_and_records_as_they_were():
 def test_the_new_presets_train_from_python(name):
     from sdiloco.lab import train
 
-    c = config_lib.preset(name, model="tiny-xxxs", steps=8, sync_every=4, eval_every=8)
+    c = config_lib.preset(
+        name, model="tiny-xxxs", steps=8, sync_every=4, eval_every=8, eval_windows=64
+    )
     loss = train.run(c, progress=False).evals[-1]["eval/global"]
     assert 0 < loss < 6  # finite, about ln(256) or below

@@ -277,6 +277,7 @@ def test_a_failed_run_keeps_its_last_checkpoint(tmp_path, monkeypatch):
         data={"global_batch_size": 8},
         checkpoint_every=4,
         eval_every=12,
+        eval_windows=64,
     )
     move = distributed.MeshAllGather.move
 
