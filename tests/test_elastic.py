@@ -55,6 +55,10 @@ FLAGS = [
     "--eval-windows=64",
 ]
 """Streaming DiLoCo with overlapped FP4 (3 fragments, τ = 1), M = 3 islands, H = 6."""
+PACED = ["--min-step-s=0.05"]
+"""The long jobs' islands take at least 50 ms a step (they sleep what their step left,
+`--min-step-s`): as long in wall time as 2.5x the steps unpaced on 2 busy cores
+(~50 steps/s), at 40 % of the CPU."""
 
 
 @pytest.fixture(autouse=True)
@@ -191,12 +195,12 @@ def test_islands_train_the_simulated_run(tmp_path, tau):
 @pytest.mark.multiprocess
 def test_sigkill_an_island_the_others_go_on_and_it_heals(tmp_path):
     # Long enough that the restarted island (start-up and compile: ~20 s on two
-    # busy cores) rejoins before the others finish (~50 steps/s). The grace window
+    # busy cores) rejoins before the others finish (48 s, paced). The grace window
     # is longer than a survivor's stall on two cores shared with the other xdist
     # worker (8-24 s measured), so no survivor is told it is behind and heals (from a
     # finished peer near the end, docs/elastic.md): not what this test is about.
-    steps, grace, kill_at = 2400, 30.0, 60
-    coordinator, islands, board = _job(tmp_path, steps, grace=grace)
+    steps, grace, kill_at = 960, 30.0, 60
+    coordinator, islands, board = _job(tmp_path, steps, grace=grace, extra=PACED)
     restarted = None
     try:
         deadline = time.monotonic() + 300
@@ -207,7 +211,7 @@ def test_sigkill_an_island_the_others_go_on_and_it_heals(tmp_path):
         killed = _step(tmp_path, 1)
         assert kill_at <= killed < steps
         islands[1].communicate()
-        restarted = _island(1, tmp_path, steps, board)  # the same command again
+        restarted = _island(1, tmp_path, steps, board, PACED)  # the same command
         outputs = finish_processes(
             [islands[0], islands[2], restarted, coordinator], 600
         )
@@ -232,6 +236,8 @@ def test_sigkill_an_island_the_others_go_on_and_it_heals(tmp_path):
     assert served == healed["healed"]["bytes"]
     _assert_survivors_waited_one_grace(tmp_path, grace)
     _assert_equal_thetas(tmp_path, train.build(_config(steps)).model)
+    survived = _summary(tmp_path, "island-0.json")  # paced: >= 50 ms a step
+    assert survived["trained_s"] >= (steps - 1) * 0.05, survived["trained_s"]
     # A survivor said so, one line each: the peer left out, then back; and showed
     # its progress (the bar of `train`).
     survivor = outputs[0]
@@ -261,11 +267,11 @@ def test_a_cut_link_leaves_the_island_out_then_it_takes_part_again(tmp_path):
     # is down for longer than the grace window and shorter than the heartbeat.
     # A grace window long enough that the islands' unequal start on a busy machine is
     # not taken for a failure.
-    steps, grace, cut_at, cut_s = 1200, 8.0, 60, 12.0
+    steps, grace, cut_at, cut_s = 480, 8.0, 60, 12.0
     with wan.Wan(M + 1) as net:
         flags = ["--heartbeat=60"]
         coordinator, islands, _ = _job(
-            tmp_path, steps, grace=grace, net=net, board_flags=flags
+            tmp_path, steps, grace=grace, extra=PACED, net=net, board_flags=flags
         )
         procs = [coordinator, *islands]
         deadline = time.monotonic() + 300
@@ -323,6 +329,11 @@ def test_a_cut_link_leaves_the_island_out_then_it_takes_part_again(tmp_path):
             ["coordinate", "--board=h:1", "--replicas=3", "--heartbeat=0"],
             "heartbeat_s=0; allowed: >= 1 s",
         ),
+        (
+            ["train", "--board=h:1", "--replica=0", "--min-step-s=-0.5"],
+            "--min-step-s=-0.5; allowed: >= 0 seconds",
+        ),
+        (["train", "--min-step-s=0.1"], "--min-step-s without --board"),
     ],
 )
 def test_bad_flags_are_one_line(argv, message):
@@ -359,15 +370,32 @@ def test_the_step_file_is_replaced_whole(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["island-0.step"]
 
 
+def test_a_paced_island_takes_its_minimum_per_step_and_no_more(tmp_path):
+    # `--min-step-s`: each step lasts at least the minimum; a step slower than it
+    # (here 0.5 s of work) is not paced further, nor made up for by the next.
+    paced = elastic_lib._StepFile(tmp_path, 0, _config(10), min_step_s=0.2)
+    start = time.monotonic()
+    paced(1, None, None)
+    paced(2, None, None)
+    assert time.monotonic() - start >= 2 * 0.2
+    time.sleep(0.5)
+    late = time.monotonic()
+    paced(3, None, None)
+    assert time.monotonic() - late < 0.15  # behind: no sleep
+    paced(4, None, None)
+    assert time.monotonic() - late >= 0.2  # then the minimum again
+    assert not (tmp_path / "island-0.step").exists()  # every log_every = 10 steps
+
+
 @pytest.mark.multiprocess
 def test_a_pause_shorter_than_the_heartbeat_is_ridden_out(tmp_path):
     # Island 1 stopped (SIGSTOP) for 8 s under a 10 s heartbeat: its process goes on
     # after SIGCONT. The others go on without it after one grace window, and wait
     # for it again once it has caught up (it is about 3 s behind, less than the
     # grace window), so no round after it waits out a second window.
-    steps, grace, stop_at, pause = 1200, 5.0, 60, 8.0
+    steps, grace, stop_at, pause = 480, 5.0, 60, 8.0
     coordinator, islands, _ = _job(
-        tmp_path, steps, grace=grace, board_flags=["--heartbeat=10"]
+        tmp_path, steps, grace=grace, extra=PACED, board_flags=["--heartbeat=10"]
     )
     procs = [coordinator, *islands]
     try:

@@ -50,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    if args.min_step_s:
+        return _fail("--min-step-s without --board; allowed: an island's flag.")
     try:
         cfg = _config(args)
         if args.out is not None and args.checkpoint_every is None:
@@ -202,6 +204,8 @@ def _island(args: argparse.Namespace) -> int:
         return _fail("--courier/--fsdp/--auto-distributed with --board; allowed: none.")
     if args.replica is None:
         return _fail("--board needs --replica (this island, 0 ... M - 1).")
+    if not args.min_step_s >= 0:
+        return _fail(f"--min-step-s={args.min_step_s}; allowed: >= 0 seconds.")
     try:
         cfg = _config(args)
         options = _board(args)
@@ -216,7 +220,12 @@ def _island(args: argparse.Namespace) -> int:
 
     try:
         summary = island(
-            cfg, args.replica, options, args.out, progress=not args.no_progress
+            cfg,
+            args.replica,
+            options,
+            args.out,
+            progress=not args.no_progress,
+            min_step_s=args.min_step_s,
         )
     except BoardError as e:
         return _fail(str(e), status=1)
@@ -347,6 +356,14 @@ def _parser() -> argparse.ArgumentParser:
     _add_device_flags(t.add_argument_group("devices and processes"))
     _add_board_flags(t.add_argument_group("elastic islands (one process each)"))
     t.add_argument("--replica", type=int, help="with --board: this island, 0 .. M-1")
+    t.add_argument(
+        "--min-step-s",
+        type=float,
+        default=0.0,
+        help="with --board: this island's inner steps take at least this many "
+        "seconds (it sleeps the rest), a slower accelerator emulated on one machine, "
+        "e.g. a straggler (default 0)",
+    )
     _add_coordinate(sub)
     return parser
 

@@ -108,6 +108,7 @@ def island(
     out_dir: str | os.PathLike | None = None,
     *,
     progress: bool = True,
+    min_step_s: float = 0.0,
 ) -> dict[str, Any]:
     """Train island `replica` of `config` on the board; returns its summary.
 
@@ -118,6 +119,11 @@ def island(
     the board, offers a depot for its messages and heals, writes the step file and
     the summary, says it is done, and serves the heals peers still ask for until
     every island is done (`BoardTransport.serve_until_end`).
+
+    With `min_step_s` > 0 every inner step takes at least that long: the island
+    sleeps what its step left (`--min-step-s`). It emulates a slower accelerator on
+    one machine: a straggler island among faster ones, or a job whose islands run
+    for minutes of wall time at a small share of the CPU (the elastic tests).
 
     The summary: the final held-out evaluation of θ_g, whether it healed (and the
     seconds and bytes that took, and why), the seconds from its start until its
@@ -132,6 +138,8 @@ def island(
     """
     count = config.method.num_replicas
     train.check_island(config, (replica, count))
+    if not min_step_s >= 0:
+        raise ValueError(f"min_step_s={min_step_s}; allowed: >= 0 seconds.")
     started = time.perf_counter()
     train.enable_compile_cache()  # a restarted island loads its programs
     board = Board(
@@ -158,7 +166,7 @@ def island(
             None if out_dir is None else os.path.join(out_dir, f"island-{replica}"),
             transport=transport,
             resume=False,  # a restarted island heals from a peer (newer)
-            callback=_StepFile(out_dir, replica, config),
+            callback=_StepFile(out_dir, replica, config, min_step_s),
             progress=progress,
         )
         summary = _summary(history, transport, replica, started)
@@ -200,16 +208,20 @@ def _summary(history: train.History, transport: BoardTransport, replica, started
 
 
 class _StepFile:
-    """`out/island-<m>.step`: how far the island is, at every `log_every` step
-    (a `train.run` callback)."""
+    """`out/island-<m>.step`: how far the island is, at every `log_every` step; and
+    each step made to last at least `min_step_s` (a `train.run` callback)."""
 
-    def __init__(self, out_dir, replica: int, config: RunConfig):
+    def __init__(self, out_dir, replica: int, config: RunConfig, min_step_s=0.0):
         self.out_dir, self.replica, self.c = out_dir, replica, config
+        self.min_step_s, self.due = min_step_s, time.monotonic() + min_step_s
 
     def __call__(self, step: int, state: Any, metrics: Any) -> None:
         del state, metrics
         if step % self.c.log_every == 0 or step == self.c.steps:
             _write(self.out_dir, f"island-{self.replica}.step", str(step))
+        if self.min_step_s > 0:
+            time.sleep(max(0.0, self.due - time.monotonic()))
+            self.due = max(self.due, time.monotonic()) + self.min_step_s
 
 
 def _finish(board, replica, out_dir, summary, theta_g) -> None:
