@@ -58,7 +58,7 @@ FLAGS = [
 PACED = ["--min-step-s=0.05"]
 """The long jobs' islands take at least 50 ms a step (they sleep what their step left,
 `--min-step-s`): as long in wall time as 2.5x the steps unpaced on 2 busy cores
-(~50 steps/s), at 40 % of the CPU."""
+(~50 steps/s), so 40 % of the steps' compute."""
 
 
 @pytest.fixture(autouse=True)
