@@ -14,6 +14,7 @@ status 1 and one line saying why.
 
 import argparse
 import json
+import math
 import os
 import shlex
 import sys
@@ -204,8 +205,8 @@ def _island(args: argparse.Namespace) -> int:
         return _fail("--courier/--fsdp/--auto-distributed with --board; allowed: none.")
     if args.replica is None:
         return _fail("--board needs --replica (this island, 0 ... M - 1).")
-    if not args.min_step_s >= 0:
-        return _fail(f"--min-step-s={args.min_step_s}; allowed: >= 0 seconds.")
+    if not 0 <= args.min_step_s < math.inf:
+        return _fail(f"--min-step-s={args.min_step_s}; allowed: 0 <= S < inf seconds.")
     try:
         cfg = _config(args)
         options = _board(args)

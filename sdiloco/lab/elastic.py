@@ -29,6 +29,7 @@ One that cannot reach the board for `heartbeat_s` ends with one line (`BoardLost
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import signal
 import threading
@@ -138,8 +139,8 @@ def island(
     """
     count = config.method.num_replicas
     train.check_island(config, (replica, count))
-    if not min_step_s >= 0:
-        raise ValueError(f"min_step_s={min_step_s}; allowed: >= 0 seconds.")
+    if not 0 <= min_step_s < math.inf:
+        raise ValueError(f"min_step_s={min_step_s}; allowed: 0 <= S < inf seconds.")
     started = time.perf_counter()
     train.enable_compile_cache()  # a restarted island loads its programs
     board = Board(
