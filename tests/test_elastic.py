@@ -377,8 +377,8 @@ def test_the_step_file_is_replaced_whole(tmp_path):
 def test_a_paced_island_takes_its_minimum_per_step_and_no_more(tmp_path):
     # `--min-step-s`: each step lasts at least the minimum; a step slower than it
     # (here 0.5 s of work) is not paced further, nor made up for by the next.
+    start = time.monotonic()  # the first step is due 0.2 s after the callback is made
     paced = elastic_lib._StepFile(tmp_path, 0, _config(10), min_step_s=0.2)
-    start = time.monotonic()
     paced(1, None, None)
     paced(2, None, None)
     assert time.monotonic() - start >= 2 * 0.2
