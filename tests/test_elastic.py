@@ -331,11 +331,11 @@ def test_a_cut_link_leaves_the_island_out_then_it_takes_part_again(tmp_path):
         ),
         (
             ["train", "--board=h:1", "--replica=0", "--min-step-s=-0.5"],
-            "--min-step-s=-0.5; allowed: 0 <= S < inf seconds",
+            "min_step_s=-0.5; allowed: 0 <= S < inf seconds",
         ),
         (
             ["train", "--board=h:1", "--replica=0", "--min-step-s=inf"],
-            "--min-step-s=inf; allowed: 0 <= S < inf seconds",
+            "min_step_s=inf; allowed: 0 <= S < inf seconds",
         ),
         (["train", "--min-step-s=0.1"], "--min-step-s without --board"),
     ],

@@ -14,7 +14,6 @@ status 1 and one line saying why.
 
 import argparse
 import json
-import math
 import os
 import shlex
 import sys
@@ -38,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = _parser().parse_args(argv)
         args.argv = argv
+        if args.command == "train" and args.board is None and args.min_step_s:
+            raise _UsageError("--min-step-s without --board; allowed: an island's flag")
         if args.command == "train":
             return _train(args) if args.board is None else _island(args)
         if args.command == "coordinate":
@@ -51,8 +52,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    if args.min_step_s:
-        return _fail("--min-step-s without --board; allowed: an island's flag.")
     try:
         cfg = _config(args)
         if args.out is not None and args.checkpoint_every is None:
@@ -205,14 +204,14 @@ def _island(args: argparse.Namespace) -> int:
         return _fail("--courier/--fsdp/--auto-distributed with --board; allowed: none.")
     if args.replica is None:
         return _fail("--board needs --replica (this island, 0 ... M - 1).")
-    if not 0 <= args.min_step_s < math.inf:
-        return _fail(f"--min-step-s={args.min_step_s}; allowed: 0 <= S < inf seconds.")
     try:
         cfg = _config(args)
         options = _board(args)
+        from .elastic import check_min_step_s
         from .train import check_island
 
         check_island(cfg, (args.replica, cfg.method.num_replicas))
+        check_min_step_s(args.min_step_s)
     except ValueError as e:
         return _fail(str(e))
     from ..distributed.board import BoardError

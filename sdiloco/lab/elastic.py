@@ -139,8 +139,7 @@ def island(
     """
     count = config.method.num_replicas
     train.check_island(config, (replica, count))
-    if not 0 <= min_step_s < math.inf:
-        raise ValueError(f"min_step_s={min_step_s}; allowed: 0 <= S < inf seconds.")
+    check_min_step_s(min_step_s)
     started = time.perf_counter()
     train.enable_compile_cache()  # a restarted island loads its programs
     board = Board(
@@ -185,6 +184,13 @@ def island(
         transport.close()
         depot.close()
         board.close()
+
+
+def check_min_step_s(min_step_s: float) -> None:
+    """Raise `ValueError` unless `min_step_s` (an island's shortest step) is a finite
+    number of seconds >= 0."""
+    if not 0 <= min_step_s < math.inf:
+        raise ValueError(f"min_step_s={min_step_s}; allowed: 0 <= S < inf seconds.")
 
 
 def _summary(history: train.History, transport: BoardTransport, replica, started):
