@@ -505,24 +505,30 @@ def test_a_heal_that_cannot_be_served_is_one_line_and_the_island_goes_on(server)
     transport = board_lib.BoardTransport(board, 0, 2, depot=depot, timeout_s=30.0)
     lines = []
     transport._say = lines.append
-    failed = (
-        "a heal it served failed: a heal request b'nonsense'; "
-        "allowed: '<replica>:<nonce>'."
-    )
+
+    def failed(request):
+        return (
+            f"a heal it served failed: a heal request {request!r}; "
+            "allowed: '<replica>:<nonce>'."
+        )
+
     lingering = threading.Thread(target=transport.serve_until_end, args=(state,))
     try:
         server.put(board_lib.Keys.mail(0, "serve"), b"nonsense")
         wait_until(lambda: "serve" in board.mail, timeout=5)
         assert transport.between_steps(state, None) is state
-        assert lines == [failed] and transport.served == 0
+        assert lines == [failed(b"nonsense")] and transport.served == 0
         lingering.start()
-        server.put(board_lib.Keys.mail(0, "serve"), b"nonsense")
+        # another request: the same bytes again would be the same letter (the mailbox
+        # clears what it read, `net.DELETE_IF`), which may be read once
+        server.put(board_lib.Keys.mail(0, "serve"), b"gibberish")
         wait_until(lambda: len(lines) == 2, timeout=5)
         assert lingering.is_alive()  # still serving until the end
         server.put(board_lib.Keys.END, b"1")
         lingering.join(timeout=5)
         assert not lingering.is_alive()
-        assert lines == [failed, failed] and transport.served == 0
+        assert lines == [failed(b"nonsense"), failed(b"gibberish")]
+        assert transport.served == 0
     finally:
         server.put(board_lib.Keys.END, b"1")
         if lingering.ident is not None:  # started
@@ -530,6 +536,46 @@ def test_a_heal_that_cannot_be_served_is_one_line_and_the_island_goes_on(server)
         board.close()
         transport.close()
         depot.close()
+
+
+def test_a_letter_put_while_the_mailbox_is_read_is_not_lost(server):
+    # The heartbeat lists the mailbox, then clears what it read. A second request put
+    # between the two (here: at once after the listing) must stay for the next beat,
+    # not be cleared with the first (a lost heal request left a test waiting).
+    store, mailbox = server.store, "to/0/"
+    listed = store.items
+
+    def items_then_a_new_letter(prefix):
+        found = listed(prefix)
+        if prefix == mailbox and found and not late:
+            late.append(store.put(mailbox + "serve", b"1:second"))
+        return found
+
+    late: list = []
+    store.items = items_then_a_new_letter
+    board = _client(server, 1, mailbox=mailbox)
+    try:
+        store.put(mailbox + "serve", b"1:first")
+        got = []
+        wait_until(
+            lambda: got.append(board.take_mail().get("serve")) or b"1:second" in got,
+            timeout=5,
+        )
+        assert late and got[-1] == b"1:second", got
+        wait_until(lambda: not store.items(mailbox), timeout=5)
+        assert store.items(mailbox) == []  # and each was cleared once read
+    finally:
+        board.close()
+
+
+def test_delete_if_clears_only_the_value_read():
+    store = net.Store()
+    store.put("to/0/serve", b"a")
+    assert not store.delete_if("to/0/serve", b"b")  # put since: stays
+    assert store.get("to/0/serve") == b"a"
+    assert store.delete_if("to/0/serve", bytearray(b"a"))
+    assert store.get("to/0/serve") is None
+    assert not store.delete_if("to/0/serve", b"a")  # nothing left to clear
 
 
 def test_the_coordinator_says_end_only_when_every_island_is_done():

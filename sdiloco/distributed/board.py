@@ -144,7 +144,10 @@ class Board:
         heartbeat_s: how long the board may be out of reach before calls give up.
         connect_timeout_s: how long opening waits for the board to be up (the
             coordinator may start after the islands).
-        mailbox: the key prefix of this node's mail (`to/<m>/`), or None.
+        mailbox: the key prefix of this node's mail (`to/<m>/`), or None. The
+            heartbeat moves each letter into `mail` (by key: an unread letter is
+            replaced by a newer one) and clears only the value it read, so a letter
+            put meanwhile waits for the next beat.
         chunk_bytes: bytes per chunk of a value on the wire (`net.CHUNK`).
         name: who this is, in errors (default `node <node>`).
     """
@@ -318,7 +321,8 @@ class Board:
                 for key, value in self.items(self.mailbox):
                     with self._lock:
                         self.mail[key.removeprefix(self.mailbox)] = value
-                    self.delete(key)
+                    # only what was read: a letter put since stays for the next beat
+                    self._request("clear", net.DELETE_IF, key, value)
             except BoardLost:
                 return  # `check` raises it in the training loop
             except BoardProtocolError:

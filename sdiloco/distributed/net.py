@@ -24,7 +24,9 @@ The protocol, one request then one reply at a time on a connection:
     reply:   status (1 byte: OK, MISSING or ERROR), value bytes (uint64), the value
 
 `GET` waits up to `wait_s` for the key to be put; `ITEMS` answers every key under a
-prefix with its value; `HELLO` names the node on the other end of the connection.
+prefix with its value; `DELETE_IF` deletes a key only while it holds the value sent
+(a reader clears what it read, never a value put after it read); `HELLO` names the
+node on the other end of the connection.
 """
 
 import socket
@@ -36,7 +38,7 @@ from collections.abc import Iterator
 from typing import Any
 
 
-PUT, GET, ITEMS, DELETE, HELLO = 1, 2, 3, 4, 5
+PUT, GET, ITEMS, DELETE, HELLO, DELETE_IF = 1, 2, 3, 4, 5, 6
 OK, MISSING, ERROR = 0, 1, 2
 CHUNK = 4 << 20
 """Default bytes per chunk of a value on the wire (4 MiB)."""
@@ -96,6 +98,18 @@ class Store:
             for k in [k for k in values if k == key or k.startswith(below)]:
                 del values[k]
             self._changed()
+
+    def delete_if(self, key: str, value: Any) -> bool:
+        """Delete `key` only if it holds `value` (bytes-equal); whether it did. One
+        who read a key clears it so without erasing a value put since."""
+        with self._cond:
+            values = self._dir(key)
+            found = values.get(key)
+            if found is None or bytes(found[0]) != bytes(value):
+                return False
+            del values[key]
+            self._changed()
+            return True
 
     def prune(self, prefix: str, older_s: float) -> None:
         """Delete the keys under `prefix` put more than `older_s` seconds ago."""
@@ -423,7 +437,9 @@ class _Handler(socketserver.BaseRequestHandler):
         if op == DELETE:
             store.delete(key)
             return OK, b""
-        return ERROR, f"op {op}; allowed: PUT, GET, ITEMS, DELETE, HELLO"
+        if op == DELETE_IF:
+            return (OK if store.delete_if(key, value) else MISSING), b""
+        return ERROR, f"op {op}; allowed: PUT, GET, ITEMS, DELETE, DELETE_IF, HELLO"
 
     def _reply(self, sock: socket.socket, status: int, value: Any) -> None:
         data = value.encode() if isinstance(value, str) else value
