@@ -212,6 +212,12 @@ class DictBoard:
         for k in [k for k in self.kv if k == key or k.startswith(key + "/")]:
             del self.kv[k]
 
+    def delete_if(self, key, value):
+        if self.kv.get(key) != value:
+            return False
+        del self.kv[key]
+        return True
+
     def items(self, prefix):
         return [(k, v) for k, v in self.kv.items() if k.startswith(prefix)]
 
@@ -295,6 +301,30 @@ def test_a_request_routed_to_a_peer_that_dies_or_returns_is_routed_again():
     _ask(board3, 2, "n2")  # so it asks again with a new nonce
     route3(board3, {0, 1}, (1,))
     assert board3.served() == {1: 2} and board3.try_get("to/1/serve") == b"2:n2"
+
+
+def test_a_request_put_again_while_the_router_reads_is_routed_next_time():
+    # Island 2 asks again (a new nonce) between the router's reading of the requests
+    # and its clearing of the one it routes: the new request must stay, and the next
+    # call route it, not leave island 2 waiting for a heal with its old nonce.
+    board, route = DictBoard(), HealRouter()
+    listed = board.items
+
+    def items_then_a_new_request(prefix):
+        found = listed(prefix)
+        if prefix == "heal/want/" and found and not again:
+            again.append(_ask(board, 2, "n2"))
+        return found
+
+    again: list = []
+    board.items = items_then_a_new_request
+    _ask(board, 2, "n")
+    route(board, {0, 1}, (1,))
+    assert again and board.try_get("to/1/serve") == b"2:n"  # the request it read
+    assert board.try_get("heal/want/2") == b"n2"  # the new one stays
+    route(board, {0, 1}, (1,))
+    assert board.served() == {1: 2} and board.try_get("to/1/serve") == b"2:n2"
+    assert board.keys("heal/want/") == []
 
 
 # ---------------------------------------------------------- the board over TCP

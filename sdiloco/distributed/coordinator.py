@@ -85,6 +85,9 @@ class BoardServer:
     def delete(self, key: str) -> None:
         self.store.delete(key)
 
+    def delete_if(self, key: str, value: Any) -> bool:
+        return self.store.delete_if(key, value)
+
     def live(self) -> set[int]:
         """The islands (replica ids) connected and heard from within the heartbeat."""
         return {n - 1 for n in self.store.live(self.heartbeat_s) if n >= 1}
@@ -294,7 +297,9 @@ class HealRouter:
             if not peers:
                 continue  # when a peer is free
             nonce = bytes(askers[asker]).decode()
-            board.delete(Keys.heal("want", asker))
+            # the request read, not one put since (a new nonce): that one stays, and
+            # the next call routes it as a retry
+            board.delete_if(Keys.heal("want", asker), askers[asker])
             board.put(Keys.mail(peers[0], "serve"), f"{asker}:{nonce}".encode())
             self.routed[peers[0]] = (asker, nonce)
             busy.add(peers[0])
