@@ -608,6 +608,18 @@ def test_delete_if_clears_only_the_value_read():
     assert not store.delete_if("to/0/serve", b"a")  # nothing left to clear
 
 
+def test_a_board_clears_a_key_only_while_it_holds_what_was_read(server):
+    board = _client(server, 1)
+    try:
+        board.put("to/0/serve", b"a")
+        assert not board.delete_if("to/0/serve", b"b")
+        assert board.try_get("to/0/serve") == b"a"
+        assert board.delete_if("to/0/serve", b"a")
+        assert board.try_get("to/0/serve") is None
+    finally:
+        board.close()
+
+
 def test_the_coordinator_says_end_only_when_every_island_is_done():
     board, c = _coordinator()
     for m in range(2):

@@ -216,6 +216,11 @@ class Board:
         """Delete `key`, and every key under it."""
         self._request("delete", net.DELETE, key)
 
+    def delete_if(self, key: str, value: Any) -> bool:
+        """Delete `key` only while it holds `value` (what the caller read); whether
+        it did. A value put since stays."""
+        return self._request("clear", net.DELETE_IF, key, value)[0] == net.OK
+
     def check(self) -> None:
         """Raise `BoardLost` if the heartbeat found the board gone."""
         if self.lost is not None:
@@ -321,8 +326,7 @@ class Board:
                 for key, value in self.items(self.mailbox):
                     with self._lock:
                         self.mail[key.removeprefix(self.mailbox)] = value
-                    # only what was read: a letter put since stays for the next beat
-                    self._request("clear", net.DELETE_IF, key, value)
+                    self.delete_if(key, value)  # a letter put since: next beat
             except BoardLost:
                 return  # `check` raises it in the training loop
             except BoardProtocolError:

@@ -37,10 +37,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = _parser().parse_args(argv)
         args.argv = argv
-        if args.command == "train" and args.board is None and args.min_step_s:
-            raise _UsageError("--min-step-s without --board; allowed: an island's flag")
         if args.command == "train":
-            return _train(args) if args.board is None else _island(args)
+            if args.board is not None:
+                return _island(args)
+            if args.min_step_s:
+                raise _UsageError(
+                    "--min-step-s without --board; allowed: an island's flag"
+                )
+            return _train(args)
         if args.command == "coordinate":
             return _coordinate(args)
     except _UsageError as e:
