@@ -1,19 +1,33 @@
 """Test configuration: strict dtype promotion, several CPU devices, hypothesis profiles."""
 
 import os
+import subprocess
+import sys
 import tempfile
 
 
-# Must happen before jax initialises its backend. Four CPU devices; and LLVM without
-# optimisation: XLA:CPU compiles run about a third faster so, the few long runs a
-# little slower (cold cache, 2 cores: test_train.py 264 -> 211 s; the fresh-clone
-# .ci/run 1,766 -> 1,670 s). No test compares a number with the records' (made at
-# XLA's default), and the subprocesses a test compares with compile as it does
-# (`helpers.cpu_env`).
+# Must happen before jax initialises its backend. Four CPU devices; and XLA:CPU
+# compiling fast: LLVM without optimisation, and XLA's older elemental emitters for
+# fusions in place of its MLIR fusion emitters (`FAST_COMPILE_FLAGS`). No test compares
+# a number with the records' (made at XLA's defaults), and the subprocesses a test
+# compares with compile as it does (`helpers.cpu_env`).
+FAST_COMPILE_FLAGS = (
+    "--xla_backend_optimization_level=0",
+    "--xla_cpu_use_fusion_emitters=false",
+)
+"""The suite's compiler settings. Compiles dominate the suite's time; with these a
+FAST tiny-xs run of Streaming FP4 takes 11 CPU-s in place of 17-19 with the first alone,
+and the suite took 16 % less CPU than with the first alone (2,401 against 2,871 CPU-s,
+cold cache, 2 cores, side by side). The two together round one program otherwise than another
+that XLA's defaults round alike: the tests that check two formulations bitwise
+(`two_programs`) run in a child process without the second flag."""
+EMITTER_FLAG = FAST_COMPILE_FLAGS[1]
 os.environ.setdefault(
     "XLA_FLAGS",
-    "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0",
+    " ".join(("--xla_force_host_platform_device_count=4", *FAST_COMPILE_FLAGS)),
 )
+CHILD = "SDILOCO_TEST_CHILD"
+"""Set in the child process a `two_programs` test runs in."""
 
 import hypothesis
 import jax
@@ -124,6 +138,31 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "hlo" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_pyfunc_call(pyfuncitem):
+    """A `two_programs` test runs in a child pytest, compiled without
+    `EMITTER_FLAG` (its verdict is the child's; its output is shown if it fails)."""
+    if "two_programs" not in pyfuncitem.keywords or os.environ.get(CHILD):
+        return None
+    flags = [f for f in os.environ["XLA_FLAGS"].split() if f != EMITTER_FLAG]
+    env = dict(os.environ, XLA_FLAGS=" ".join(flags), **{CHILD: "1"})
+    argv = ["-m", "pytest", "-q", "-m", "", "-p", "no:cacheprovider"]
+    proc = subprocess.run(
+        [sys.executable, *argv, pyfuncitem.nodeid],
+        cwd=pyfuncitem.config.rootpath,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if proc.returncode != 0:
+        pytest.fail(
+            f"in a child process compiled without {EMITTER_FLAG}:\n"
+            + (proc.stdout + proc.stderr)[-6000:],
+            pytrace=False,
+        )
+    return True
 
 
 @pytest.fixture

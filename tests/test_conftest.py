@@ -1,7 +1,8 @@
 """The suite's own scheduling (`conftest.py`): the heavy tiers first, the
-multi-process files as one unit of work, and a multi-process test outside them
-refused at collection."""
+multi-process files as one unit of work, a multi-process test outside them refused at
+collection, and a `two_programs` test run in a child process compiled otherwise."""
 
+import os
 import types
 
 import conftest
@@ -43,3 +44,27 @@ def test_a_multiprocess_test_in_another_file_is_refused_at_collection():
     items = [_item("tests/test_new.py::job", "multiprocess")]
     with pytest.raises(pytest.UsageError, match=r"\['tests/test_new.py'\]"):
         conftest.pytest_collection_modifyitems(None, items)
+
+
+@pytest.mark.two_programs
+def test_a_two_programs_test_runs_in_a_child_without_the_emitter_flag():
+    flags = os.environ["XLA_FLAGS"].split()
+    assert os.environ.get(conftest.CHILD) == "1"
+    assert conftest.EMITTER_FLAG not in flags
+    assert "--xla_backend_optimization_level=0" in flags
+
+
+def test_fails_when_asked():
+    """Passes, unless the test below asks it to fail (in a child process)."""
+    assert not os.environ.get("SDILOCO_CONFTEST_FAIL")
+
+
+def test_a_failure_in_the_child_fails_the_test(monkeypatch, pytestconfig):
+    monkeypatch.setenv("SDILOCO_CONFTEST_FAIL", "1")
+    item = types.SimpleNamespace(
+        keywords={"two_programs"},
+        nodeid="tests/test_conftest.py::test_fails_when_asked",
+        config=pytestconfig,
+    )
+    with pytest.raises(pytest.fail.Exception, match="(?s)child process.*1 failed"):
+        conftest.pytest_pyfunc_call(item)

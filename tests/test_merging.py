@@ -46,6 +46,7 @@ def _run(alg, params, steps, M, state=None):
     return state
 
 
+@pytest.mark.two_programs
 def test_eager_with_no_overlap_is_alpha_zero_bitwise():
     """τ = 0: the stand-in is replaced in the step that applies it, so the replica
     takes θ_g, as with α = 0."""
@@ -95,6 +96,7 @@ class Halfway(sdiloco.MergePolicy):
         return jnp.where(due, new, replica), state + due.astype(state.dtype)
 
 
+@pytest.mark.two_programs
 def test_a_users_policy_is_the_alpha_merge_it_restates():
     params, mine = _alg(merge=Halfway())
     _, alpha = _alg(merge="alpha", alpha=0.5)

@@ -16,16 +16,6 @@ from sdiloco.paper import figures
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOKS = figures.notebooks()
 IDS = [p.stem for p in NOTEBOOKS]
-FAST_XLA_FLAGS = (
-    "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
-)
-"""XLA:CPU compiling fast, for FAST notebooks only: LLVM without optimisation (as the
-whole suite, `conftest.py`) and XLA's older elemental emitters for fusions in place of
-its MLIR fusion emitters. A FAST tiny-xs run of Streaming FP4 then takes 11 CPU-s in
-place of 18 (its compiles 4.3 s in place of 8.3 s). Not for the suite: the two together
-break bitwise equalities between programs that the in-process tests check (an eager
-merge with tau = 0 and an alpha merge with alpha = 0 differed by 1.5e-8 in one element
-after a sync); a FAST notebook compares no number with another program's."""
 
 
 def test_there_are_notebooks():
@@ -36,13 +26,10 @@ def test_there_are_notebooks():
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
 def test_notebook_runs_fast_and_writes_artifacts(path, tmp_path):
     # FAST runs are a few steps long and never recorded, so their time is XLA's
-    # compiles (the tier's numerics are not the records', and no test here reads them).
-    flags = os.environ.get("XLA_FLAGS", "").split()
-    extra = [f for f in FAST_XLA_FLAGS.split() if f not in flags]
-    xla_flags = " ".join([*flags, *extra])
+    # compiles: they compile as the suite does (`conftest.FAST_COMPILE_FLAGS`; the
+    # tier's numerics are not the records', and no test here reads them).
     env = dict(
         os.environ,
-        XLA_FLAGS=xla_flags,
         SDILOCO_FAST="1",
         SDILOCO_FIGURES_DIR=str(tmp_path / "figures"),
         SDILOCO_RUN_CACHE=str(tmp_path / "cache"),

@@ -328,6 +328,7 @@ def test_a_run_shorter_than_its_syncs_is_warned_about(steps, expected):
     assert sync_warning(config_lib.preset("data_parallel", steps=5)) is None
 
 
+@pytest.mark.two_programs
 @pytest.mark.parametrize("preset", ["streaming_overlap_fp4", "diloco"])
 def test_a_transport_of_your_own_moves_the_exchange_and_changes_no_number(preset):
     # The seam a user extends: a plain function on NumPy arrays moves every
