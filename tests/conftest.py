@@ -6,34 +6,33 @@ import sys
 import tempfile
 
 
-# Must happen before jax initialises its backend. Four CPU devices; and XLA:CPU
-# compiling fast: LLVM without optimisation, and XLA's older elemental emitters for
-# fusions in place of its MLIR fusion emitters (`FAST_COMPILE_FLAGS`). No test compares
-# a number with the records' (made at XLA's defaults), and the subprocesses a test
-# compares with compile as it does (`helpers.cpu_env`).
-FAST_COMPILE_FLAGS = (
-    "--xla_backend_optimization_level=0",
-    "--xla_cpu_use_fusion_emitters=false",
-)
-"""The suite's compiler settings. Compiles dominate the suite's time; with these a
-FAST tiny-xs run of Streaming FP4 takes 11 CPU-s in place of 17-19 with the first alone,
-and the suite took 16 % less CPU than with the first alone (2,401 against 2,871 CPU-s,
-cold cache, 2 cores, side by side). The two together round one program otherwise than another
-that XLA's defaults round alike: the tests that check two formulations bitwise
-(`two_programs`) run in a child process without the second flag."""
-EMITTER_FLAG = FAST_COMPILE_FLAGS[1]
+# Must happen before jax initialises its backend: four CPU devices, and XLA:CPU
+# compiling fast (`EMITTER_FLAG` below).
 os.environ.setdefault(
     "XLA_FLAGS",
-    " ".join(("--xla_force_host_platform_device_count=4", *FAST_COMPILE_FLAGS)),
+    "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0"
+    " --xla_cpu_use_fusion_emitters=false",
 )
-CHILD = "SDILOCO_TEST_CHILD"
-"""Set in the child process a `two_programs` test runs in."""
 
 import hypothesis
 import jax
 import jax.random as jr
 import pytest
 
+
+EMITTER_FLAG = "--xla_cpu_use_fusion_emitters=false"
+"""The second of the suite's compiler flags. Compiles dominate the suite's time: with
+LLVM unoptimised (`--xla_backend_optimization_level=0`) and XLA's older elemental
+emitters for fusions in place of its MLIR fusion emitters, a FAST tiny-xs run of
+Streaming FP4 takes 11 CPU-s in place of 17-19 with the first flag alone, and the
+suite took 16 % less CPU (2,401 against 2,871 CPU-s, cold cache, 2 cores, side by
+side). No test compares a number with the records' (made at XLA's defaults), and the
+subprocesses a test compares with compile as it does (`helpers.cpu_env`). But the
+two flags together round one program otherwise than another that XLA's defaults
+round alike, so the tests that check two formulations bitwise (marked
+`two_programs`) run in a child process without this flag (`pytest_pyfunc_call`)."""
+CHILD = "SDILOCO_TEST_CHILD"
+"""Set in the child process a `two_programs` test runs in."""
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
