@@ -110,13 +110,17 @@ def run_method(name: str, args, rates: list[float] | None = None) -> dict:
     """Train one method across the windows: no limit, each rate, no limit.
 
     Without `rates`, the grid (`grid_for`) is chosen once the first window has
-    measured the step time. The window of the middle rate is traced.
+    measured the step time. The window of the middle rate is traced. The workers
+    get two host CPU devices each and the environment's other XLA flags (none for the
+    published figures; the tests' compile-fast flags under pytest).
     """
     fixed = rates
     windows = (GRID_POINTS if fixed is None else len(fixed)) + 2
+    count = "--xla_force_host_platform_device_count"
+    others = [f for f in os.environ.get("XLA_FLAGS", "").split() if count not in f]
     env = dict(
         os.environ,
-        XLA_FLAGS="--xla_force_host_platform_device_count=2",
+        XLA_FLAGS=" ".join([f"{count}=2", *others]),
         JAX_PLATFORMS="cpu",
         PYTHONPATH=str(ROOT),
     )
