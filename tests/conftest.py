@@ -7,7 +7,7 @@ import tempfile
 
 
 # Must happen before jax initialises its backend: four CPU devices, and XLA:CPU
-# compiling fast (`EMITTER_FLAG` below).
+# compiling fast (`LEVEL_FLAG` and `EMITTER_FLAG` below).
 os.environ.setdefault(
     "XLA_FLAGS",
     "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0"
@@ -20,19 +20,27 @@ import jax.random as jr
 import pytest
 
 
+LEVEL_FLAG = "--xla_backend_optimization_level=0"
 EMITTER_FLAG = "--xla_cpu_use_fusion_emitters=false"
-"""The second of the suite's compiler flags. Compiles dominate the suite's time: with
-LLVM unoptimised (`--xla_backend_optimization_level=0`) and XLA's older elemental
-emitters for fusions in place of its MLIR fusion emitters, a FAST tiny-xs run of
-Streaming FP4 takes 11 CPU-s in place of 17-19 with the first flag alone, and the
-suite took 16 % less CPU (2,401 against 2,871 CPU-s, cold cache, 2 cores, side by
+"""The suite's compiler flags: LLVM unoptimised, and XLA's older elemental emitters
+for fusions in place of its MLIR fusion emitters. Compiles dominate the suite's time:
+a FAST tiny-xs run of Streaming FP4 takes 11 CPU-s with both in place of 17-19 with
+the first alone, and 23.5 at XLA's defaults; the suite took 16 % less CPU with both
+than with the first alone (2,401 against 2,871 CPU-s, cold cache, 2 cores, side by
 side). No test compares a number with the records' (made at XLA's defaults), and the
-subprocesses a test compares with compile as it does (`helpers.cpu_env`). But the
-two flags together round one program otherwise than another that XLA's defaults
-round alike, so the tests that check two formulations bitwise (marked
-`two_programs`) run in a child process without this flag (`pytest_pyfunc_call`)."""
+subprocesses a test compares with compile as it does (`helpers.cpu_env`). Two kinds of
+test run in a child pytest with fewer flags (`CHILD_WITHOUT`)."""
+CHILD_WITHOUT = {
+    "two_programs": (EMITTER_FLAG,),
+    "long_run": (LEVEL_FLAG, EMITTER_FLAG),
+}
+"""Marker -> the flags its tests' child process goes without (`pytest_pyfunc_call`).
+`two_programs`: the test checks two formulations of a step bitwise, and the two flags
+together round one program otherwise than another that XLA's defaults (or either
+flag alone) round alike. `long_run`: the test trains long enough that optimised code
+pays for its slower compile (250 steps of tiny-s: 75 -> 56 CPU-s)."""
 CHILD = "SDILOCO_TEST_CHILD"
-"""Set in the child process a `two_programs` test runs in."""
+"""Set in the child process a marked test runs in."""
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
@@ -140,11 +148,13 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_pyfunc_call(pyfuncitem):
-    """A `two_programs` test runs in a child pytest, compiled without
-    `EMITTER_FLAG` (its verdict is the child's; its output is shown if it fails)."""
-    if "two_programs" not in pyfuncitem.keywords or os.environ.get(CHILD):
+    """A test marked in `CHILD_WITHOUT` runs in a child pytest, compiled without the
+    marker's flags (its verdict is the child's; its output is shown if it fails)."""
+    marker = next((m for m in CHILD_WITHOUT if m in pyfuncitem.keywords), None)
+    if marker is None or os.environ.get(CHILD):
         return None
-    flags = [f for f in os.environ["XLA_FLAGS"].split() if f != EMITTER_FLAG]
+    drop = CHILD_WITHOUT[marker]
+    flags = [f for f in os.environ["XLA_FLAGS"].split() if f not in drop]
     env = dict(os.environ, XLA_FLAGS=" ".join(flags), **{CHILD: "1"})
     argv = ["-m", "pytest", "-q", "-m", "", "-p", "no:cacheprovider"]
     proc = subprocess.run(
@@ -157,7 +167,7 @@ def pytest_pyfunc_call(pyfuncitem):
     )
     if proc.returncode != 0:
         pytest.fail(
-            f"in a child process compiled without {EMITTER_FLAG}:\n"
+            f"in a child process compiled without {' '.join(drop)}:\n"
             + (proc.stdout + proc.stderr)[-6000:],
             pytrace=False,
         )

@@ -44,6 +44,7 @@ def _tiny(preset="streaming_overlap_fp4", **changes):
 
 
 @pytest.mark.integration
+@pytest.mark.long_run
 def test_learns_below_unigram_entropy():
     # A real learning check: the held-out cross-entropy of theta_g falls well below the
     # corpus's unigram entropy (3.31 nats/byte), which a model ignoring context cannot.
