@@ -26,8 +26,9 @@ def test_there_are_notebooks():
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
 def test_notebook_runs_fast_and_writes_artifacts(path, tmp_path):
     # FAST runs are a few steps long and never recorded, so their time is XLA's
-    # compiles: they compile as the suite does (`conftest.FAST_COMPILE_FLAGS`; the
-    # tier's numerics are not the records', and no test here reads them).
+    # compiles: they compile as the suite does (`conftest.LEVEL_FLAG` and
+    # `EMITTER_FLAG`; the tier's numerics are not the records', and no test here
+    # reads them).
     env = dict(
         os.environ,
         SDILOCO_FAST="1",
