@@ -145,6 +145,14 @@ def timed(f: Callable[[], Any]) -> tuple[Any, float, float]:
     return out, time.perf_counter() - w0, time.process_time() - c0
 
 
+def xla_flags(devices: int) -> str:
+    """`XLA_FLAGS` for a CPU subprocess: `devices` host devices and the environment's
+    other XLA flags (none for a published figure; the suite's under pytest)."""
+    count = "--xla_force_host_platform_device_count"
+    others = [f for f in os.environ.get("XLA_FLAGS", "").split() if count not in f]
+    return " ".join([f"{count}={devices}", *others])
+
+
 def communicate_all(
     procs: list[subprocess.Popen], timeout: float
 ) -> list[tuple[Any, Any]]:

@@ -34,7 +34,7 @@ import numpy as np
 
 import sdiloco.sim.utilization as ut
 from benchmarks import wan
-from benchmarks._common import communicate_all
+from benchmarks._common import communicate_all, xla_flags
 from benchmarks.wan_train_worker import METHODS
 
 
@@ -116,11 +116,9 @@ def run_method(name: str, args, rates: list[float] | None = None) -> dict:
     """
     fixed = rates
     windows = (GRID_POINTS if fixed is None else len(fixed)) + 2
-    count = "--xla_force_host_platform_device_count"
-    others = [f for f in os.environ.get("XLA_FLAGS", "").split() if count not in f]
     env = dict(
         os.environ,
-        XLA_FLAGS=" ".join([f"{count}=2", *others]),
+        XLA_FLAGS=xla_flags(2),
         JAX_PLATFORMS="cpu",
         PYTHONPATH=str(ROOT),
     )

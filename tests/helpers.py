@@ -14,7 +14,7 @@ import numpy as np
 import optax
 
 import sdiloco
-from benchmarks._common import communicate_all
+from benchmarks._common import communicate_all, xla_flags
 
 
 def toy_params(key, *, dim=3, hidden=2, layers=4, dtype=jnp.float32):
@@ -157,11 +157,9 @@ def cpu_env(devices: int, *paths: str) -> dict:
     """The environment of a test subprocess: CPU only, `devices` CPU devices, the
     tests' other XLA flags (so that it compiles as the test does), and `paths` (the
     repository, the tests) on PYTHONPATH."""
-    count = "--xla_force_host_platform_device_count"
-    others = [f for f in os.environ.get("XLA_FLAGS", "").split() if count not in f]
     return dict(
         os.environ,
-        XLA_FLAGS=" ".join([f"{count}={devices}", *others]),
+        XLA_FLAGS=xla_flags(devices),
         JAX_PLATFORMS="cpu",
         PYTHONPATH=os.pathsep.join(paths),
     )
