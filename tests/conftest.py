@@ -28,17 +28,13 @@ a FAST tiny-xs run of Streaming FP4 takes 11 CPU-s with both in place of 17-19 w
 the first alone, and 23.5 at XLA's defaults; the suite took 16 % less CPU with both
 than with the first alone (2,401 against 2,871 CPU-s, cold cache, 2 cores, side by
 side). No test compares a number with the records' (made at XLA's defaults), and the
-subprocesses a test compares with compile as it does (`helpers.cpu_env`). Two kinds of
-test run in a child pytest with fewer flags (`CHILD_WITHOUT`)."""
-CHILD_WITHOUT = {
-    "two_programs": (EMITTER_FLAG,),
-    "long_run": (LEVEL_FLAG, EMITTER_FLAG),
-}
+subprocesses a test compares with compile as it does (`helpers.cpu_env`). One kind of
+test runs in a child pytest with fewer flags (`CHILD_WITHOUT`)."""
+CHILD_WITHOUT = {"two_programs": (EMITTER_FLAG,)}
 """Marker -> the flags its tests' child process goes without (`pytest_pyfunc_call`).
 `two_programs`: the test checks two formulations of a step bitwise, and the two flags
 together round one program otherwise than another that XLA's defaults (or either
-flag alone) round alike. `long_run`: the test trains long enough that optimised code
-pays for its slower compile (250 steps of tiny-s: 75 -> 56 CPU-s)."""
+flag alone) round alike."""
 CHILD = "SDILOCO_TEST_CHILD"
 """Set in the child process a marked test runs in."""
 

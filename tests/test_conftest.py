@@ -1,7 +1,7 @@
 """The suite's own scheduling (`conftest.py`): the heavy tiers first, the
 multi-process files as one unit of work, a multi-process test outside them refused at
-collection, and a test marked `two_programs` or `long_run` run in a child process
-compiled with fewer flags."""
+collection, and a test marked `two_programs` run in a child process compiled
+without the emitter flag."""
 
 import os
 import types
@@ -53,14 +53,6 @@ def test_a_two_programs_test_runs_in_a_child_without_the_emitter_flag():
     assert os.environ.get(conftest.CHILD) == "1"
     assert conftest.EMITTER_FLAG not in flags
     assert conftest.LEVEL_FLAG in flags
-
-
-@pytest.mark.long_run
-def test_a_long_run_test_runs_in_a_child_at_xlas_defaults():
-    flags = os.environ["XLA_FLAGS"].split()
-    assert os.environ.get(conftest.CHILD) == "1"
-    assert conftest.EMITTER_FLAG not in flags and conftest.LEVEL_FLAG not in flags
-    assert "--xla_force_host_platform_device_count=4" in flags
 
 
 def test_fails_when_asked():

@@ -44,14 +44,15 @@ def _tiny(preset="streaming_overlap_fp4", **changes):
 
 
 @pytest.mark.integration
-@pytest.mark.long_run
 def test_learns_below_unigram_entropy():
     # A real learning check: the held-out cross-entropy of theta_g falls well below the
     # corpus's unigram entropy (3.31 nats/byte), which a model ignoring context cannot.
+    # (tiny-xxs reaches 0.71x of it in 500 steps, as tiny-s did in 250, in half the
+    # CPU time.)
     cfg = _tiny(
-        model="tiny-s",
-        steps=250,
-        eval_every=250,
+        model="tiny-xxs",
+        steps=500,
+        eval_every=500,
         eval_windows=64,
         log_every=50,
         method={"sync_every": 20, "overlap": 1},
