@@ -447,3 +447,45 @@ def test_a_frontier_tune_searches_the_axes_it_is_given(monkeypatch):
     assert only_outer == (outer,)
     assert base == base_again and base.data.validation
     assert base.inner.lr == inner.values[1]  # the starting value an unswept axis keeps
+
+
+def test_fast_runs_are_shared_through_their_folder_and_never_recorded(
+    tmp_path, monkeypatch
+):
+    """FAST mode with `$SDILOCO_FAST_RUNS`: a run trained once is kept there (JSON, no
+    `code`: not a record) and another process (here: an emptied memory) reads it
+    back without training; the records' folder stays untouched. Unset, nothing is
+    written anywhere."""
+    monkeypatch.setattr(ex, "FAST", True)
+    monkeypatch.setattr(ex, "_FAST_RUNS", {})
+    monkeypatch.setenv("SDILOCO_RUN_CACHE", str(tmp_path / "runs"))
+    monkeypatch.setenv(ex.FAST_RUNS, str(tmp_path / "fast"))
+    regime = ex.Regime(0.2, 2, evals=1, eval_windows=8)
+    config = ex.setup("data_parallel", model="tiny-xxxs", regime=regime)
+    trained = []
+    real = ex.train.run
+
+    def counting(*args, **kwargs):
+        trained.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ex.train, "run", counting)
+    with jax.numpy_dtype_promotion("standard"):  # optax's AdamW: `b1 ** count`
+        first = ex.run_one("dp", config, 0)
+    key = ex.record_key(ex.with_seed(config, 0))
+    kept = json.loads((tmp_path / "fast" / f"{key}.json").read_text())
+    assert "code" not in kept and kept["evals"] == first.evals
+    assert [p.name for p in (tmp_path / "fast").iterdir()] == [f"{key}.json"]
+    monkeypatch.setattr(ex, "_FAST_RUNS", {})  # another process of the session
+    again = ex.run_one("dp", config, 0)
+    assert trained == [1]
+    assert (again.evals, again.rows) == (first.evals, first.rows)
+    assert not (tmp_path / "runs").exists()
+
+    monkeypatch.delenv(ex.FAST_RUNS)
+    monkeypatch.setattr(ex, "_FAST_RUNS", {})
+    with jax.numpy_dtype_promotion("standard"):
+        alone = ex.run_one("dp", config, 0)
+    assert trained == [1, 1] and alone.evals == first.evals  # trained again, bitwise
+    assert [p.name for p in (tmp_path / "fast").iterdir()] == [f"{key}.json"]
+    assert not (tmp_path / "runs").exists()

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from sdiloco.paper import figures
+from sdiloco.paper import experiments, figures
 
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -22,19 +22,31 @@ def test_there_are_notebooks():
     assert len(NOTEBOOKS) >= 1
 
 
+@pytest.fixture(scope="session")
+def fast_runs(tmp_path_factory):
+    """One folder for this pytest run's FAST runs (`experiments.FAST_RUNS`), shared by
+    both xdist workers (the parent of a worker's base folder is the run's own)."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    return shared / "fast-runs"
+
+
 @pytest.mark.notebook
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
-def test_notebook_runs_fast_and_writes_artifacts(path, tmp_path):
+def test_notebook_runs_fast_and_writes_artifacts(path, tmp_path, fast_runs):
     # FAST runs are a few steps long and never recorded, so their time is XLA's
     # compiles: they compile as the suite does (`conftest.LEVEL_FLAG` and
     # `EMITTER_FLAG`; the tier's numerics are not the records', and no test here
-    # reads them).
+    # reads them). A run another notebook of this pytest run trained already is
+    # read from `fast_runs` (the FAST Streaming FP4 run at the standard budget is
+    # in ten notebooks): the tier trains each distinct run once.
     env = dict(
         os.environ,
         SDILOCO_FAST="1",
         SDILOCO_FIGURES_DIR=str(tmp_path / "figures"),
         SDILOCO_RUN_CACHE=str(tmp_path / "cache"),
         MPLBACKEND="Agg",
+        **{experiments.FAST_RUNS: str(fast_runs)},
     )
     proc = subprocess.run(
         [sys.executable, path.name],

@@ -5,7 +5,8 @@ the requested seeds (`with_seed` sets the model seed and the data order) and ret
 `Result` per (name, seed). Finished runs are cached on disk by the hash of their config
 (`$SDILOCO_RUN_CACHE`, default `paper_figures/runs/` of the checkout, committed), so notebooks that share
 a run (e.g. Table 5 and Table 6) train it once and a re-run only trains what changed.
-FAST mode (`plotting.FAST`) never reads or writes the cache.
+FAST mode (`plotting.FAST`) never reads or writes the cache; its runs may be shared
+between processes through a folder of their own (`FAST_RUNS`).
 
 `setup` builds the standard run: a preset at its tuned settings, at a `Regime` budget
 (tokens per parameter and outer rounds; 20 and 50 by default), evaluated on the
@@ -275,7 +276,8 @@ def run_one(
     written atomically; a later call reads it instead of
     training, unless `retrain()`. FAST mode neither reads nor writes records; it
     keeps its finished runs in memory for the process instead (a notebook that asks
-    twice for one run trains it once).
+    twice for one run trains it once), and in `$SDILOCO_FAST_RUNS` where that is set
+    (`FAST_RUNS`: the notebooks of one FAST session train a run they share once).
 
     Args:
         callback_factory: `factory(run) -> (callback, collect)`: `callback` goes to
@@ -288,8 +290,7 @@ def run_one(
     if callback_factory is not None:
         key = f"{key}-{callback_factory.__name__}"
     path = records_dir() / f"{key}.json"
-    if FAST and key in _FAST_RUNS:
-        d = _FAST_RUNS[key]
+    if FAST and (d := _fast_run(key)) is not None:
         return Result(name, seed, c, d["evals"], d["rows"], d["summary"], d["extra"])
     old = json.loads(path.read_text()) if not FAST and path.exists() else None
     if old is not None and not retrain(old):
@@ -304,17 +305,12 @@ def run_one(
     extra = collect()
     d = {**h.to_dict(), "extra": extra} if extra else h.to_dict()
     if FAST:
-        _FAST_RUNS[key] = {**d, "extra": extra}
+        _keep_fast_run(key, {**d, "extra": extra})
     else:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # this process's own temporary file: two processes that finish one run at
-        # once (re-stamp shards beside a notebook) each write theirs whole
-        tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp")
         record = {**d, "code": provenance.code()}
         if old is not None:  # what training again changed of the record it replaces
             record["replaced"] = _replaced(old, h.evals)
-        tmp.write_text(json.dumps(record, separators=(",", ":")))
-        tmp.replace(path)  # never a partial record
+        _write_whole(path, record)
     _log_run(key, True, h.summary)
     return Result(name, seed, c, h.evals, h.rows, h.summary, extra)
 
@@ -353,6 +349,39 @@ def _replaced(old: Mapping[str, Any], evals: Sequence[Mapping[str, Any]]) -> dic
 
 _FAST_RUNS: dict[str, dict[str, Any]] = {}
 """FAST mode's finished runs in this process, by record key."""
+
+FAST_RUNS = "SDILOCO_FAST_RUNS"
+"""Environment variable: a folder where FAST mode keeps its finished runs for other
+processes (`<record key>.json`, as a record less its `code`), so that the notebooks
+of one FAST session (the notebook tests, both pytest workers; `python -m
+sdiloco.paper --fast`) train a run they share once: a FAST Data-Parallel or
+Streaming FP4 run at the standard budget is in up to ten notebooks. Unset, each
+process trains its own. Never the records' folder: nothing in it is a record."""
+
+
+def _fast_run(key: str) -> dict[str, Any] | None:
+    """A FAST run finished in this process or, in `$SDILOCO_FAST_RUNS`, in another."""
+    if key not in _FAST_RUNS and os.environ.get(FAST_RUNS):
+        path = pathlib.Path(os.environ[FAST_RUNS]) / f"{key}.json"
+        if path.exists():
+            _FAST_RUNS[key] = json.loads(path.read_text())
+    return _FAST_RUNS.get(key)
+
+
+def _keep_fast_run(key: str, d: dict[str, Any]) -> None:
+    _FAST_RUNS[key] = d
+    if os.environ.get(FAST_RUNS):
+        _write_whole(pathlib.Path(os.environ[FAST_RUNS]) / f"{key}.json", d)
+
+
+def _write_whole(path: pathlib.Path, d: Mapping[str, Any]) -> None:
+    """`d` as JSON at `path`, never partial: this process's own temporary file, then
+    a rename (two processes that finish one run at once, re-stamp shards beside a
+    notebook, each write theirs whole)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(d, separators=(",", ":")))
+    tmp.replace(path)
 
 
 def run_all(

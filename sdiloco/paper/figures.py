@@ -324,6 +324,15 @@ def main(argv: list[str] | None = None) -> int:
     if shard is not None:
         return _restamp_shard(paths, shard, out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if args.fast and not os.environ.get(experiments.FAST_RUNS):
+        # The notebooks' kernels and subprocesses share their FAST runs
+        # (`experiments.FAST_RUNS`), for this command only.
+        with tempfile.TemporaryDirectory(prefix="sdiloco-fast-runs-") as shared:
+            os.environ[experiments.FAST_RUNS] = shared
+            try:
+                return _run_all(paths, out_dir, True, args.jobs, child=args.child)
+            finally:
+                del os.environ[experiments.FAST_RUNS]
     return _run_all(paths, out_dir, args.fast, args.jobs, child=args.child)
 
 
