@@ -128,7 +128,8 @@ def test_wheel_install_finds_no_notebooks_and_writes_nothing(tmp_path):
 def test_a_failing_notebook_is_one_line_and_exit_1(tmp_path, jobs):
     """A cell that raises ends its notebook's line with the error, not nbclient's
     traceback; the whole traceback is kept in the checkout's `runs/failed/`; with
-    `--jobs 2` the other notebook still runs and prints its own line."""
+    `--jobs 2` the other notebook still runs and prints its own line (and sees the
+    folder of the command's shared FAST runs, removed when the command ends)."""
     checkout = tmp_path / "checkout"
     (checkout / "notebooks").mkdir(parents=True)
     (checkout / "pyproject.toml").write_text("")
@@ -136,7 +137,12 @@ def test_a_failing_notebook_is_one_line_and_exit_1(tmp_path, jobs):
     (checkout / "notebooks" / "bad_one.py").write_text(
         cell + "x = 1\n" + cell + "raise ValueError('lr=-1.0; must be > 0.')\n"
     )
-    (checkout / "notebooks" / "good_one.py").write_text(cell + "print('fine')\n")
+    seen = checkout / "fast-runs.txt"
+    (checkout / "notebooks" / "good_one.py").write_text(
+        cell
+        + "import os, pathlib\nshared = pathlib.Path(os.environ['SDILOCO_FAST_RUNS'])\n"
+        f"assert shared.is_dir()\npathlib.Path({str(seen)!r}).write_text(str(shared))\n"
+    )
     names = ["bad_one"] if jobs == 1 else ["bad_one", "good_one"]
     argv = ["-m", "sdiloco.paper", *names, "--fast", f"--jobs={jobs}"]
     proc = _python(*argv, cwd=checkout, SDILOCO_REPO=str(checkout))
@@ -151,6 +157,7 @@ def test_a_failing_notebook_is_one_line_and_exit_1(tmp_path, jobs):
     if jobs == 2:
         good = [line for line in lines if line.startswith("good_one:")]
         assert len(good) == 1 and good[0].startswith("good_one: ok"), lines
+        assert not pathlib.Path(seen.read_text()).exists()
     assert lines[-1].startswith(f"{len(names) - 1}/{len(names)} notebooks in "), lines
     assert len(lines) == len(names) + 1, lines
 
