@@ -28,15 +28,13 @@ a FAST tiny-xs run of Streaming FP4 takes 11 CPU-s with both in place of 17-19 w
 the first alone, and 23.5 at XLA's defaults; the suite took 16 % less CPU with both
 than with the first alone (2,401 against 2,871 CPU-s, cold cache, 2 cores, side by
 side). No test compares a number with the records' (made at XLA's defaults), and the
-subprocesses a test compares with compile as it does (`helpers.cpu_env`). One kind of
-test runs in a child pytest with fewer flags (`CHILD_WITHOUT`)."""
-CHILD_WITHOUT = {"two_programs": (EMITTER_FLAG,)}
-"""Marker -> the flags its tests' child process goes without (`pytest_pyfunc_call`).
-`two_programs`: the test checks two formulations of a step bitwise, and the two flags
-together round one program otherwise than another that XLA's defaults (or either
-flag alone) round alike."""
+subprocesses a test compares with compile as it does (`helpers.cpu_env`). But the
+two flags together round one program otherwise than another that XLA's defaults (or
+either flag alone) round alike, so the tests that check two formulations of a step
+bitwise (marked `two_programs`) run in a child pytest without `EMITTER_FLAG`
+(`pytest_pyfunc_call`)."""
 CHILD = "SDILOCO_TEST_CHILD"
-"""Set in the child process a marked test runs in."""
+"""Set in the child process a `two_programs` test runs in."""
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
@@ -144,13 +142,11 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_pyfunc_call(pyfuncitem):
-    """A test marked in `CHILD_WITHOUT` runs in a child pytest, compiled without the
-    marker's flags (its verdict is the child's; its output is shown if it fails)."""
-    marker = next((m for m in CHILD_WITHOUT if m in pyfuncitem.keywords), None)
-    if marker is None or os.environ.get(CHILD):
+    """A `two_programs` test runs in a child pytest, compiled without
+    `EMITTER_FLAG` (its verdict is the child's; its output is shown if it fails)."""
+    if "two_programs" not in pyfuncitem.keywords or os.environ.get(CHILD):
         return None
-    drop = CHILD_WITHOUT[marker]
-    flags = [f for f in os.environ["XLA_FLAGS"].split() if f not in drop]
+    flags = [f for f in os.environ["XLA_FLAGS"].split() if f != EMITTER_FLAG]
     env = dict(os.environ, XLA_FLAGS=" ".join(flags), **{CHILD: "1"})
     argv = ["-m", "pytest", "-q", "-m", "", "-p", "no:cacheprovider"]
     proc = subprocess.run(
@@ -163,7 +159,7 @@ def pytest_pyfunc_call(pyfuncitem):
     )
     if proc.returncode != 0:
         pytest.fail(
-            f"in a child process compiled without {' '.join(drop)}:\n"
+            f"in a child process compiled without {EMITTER_FLAG}:\n"
             + (proc.stdout + proc.stderr)[-6000:],
             pytrace=False,
         )

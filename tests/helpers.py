@@ -1,6 +1,7 @@
 """Shared test helpers: a toy stacked-block model with a closed-form gradient, tree checks."""
 
 import os
+import pathlib
 import socket
 import subprocess
 import sys
@@ -134,6 +135,13 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def session_folder(tmp_path_factory) -> pathlib.Path:
+    """A folder of this pytest run's own that every xdist worker shares: under
+    pytest-xdist a worker's base folder sits in the run's, which is its parent."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
 
 def toy_streaming(params, *, num_replicas, layers_per_fragment=1, **kwargs):

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import session_folder
 
 from sdiloco.paper import experiments, figures
 
@@ -25,10 +26,8 @@ def test_there_are_notebooks():
 @pytest.fixture(scope="session")
 def fast_runs(tmp_path_factory):
     """One folder for this pytest run's FAST runs (`experiments.FAST_RUNS`), shared by
-    both xdist workers (the parent of a worker's base folder is the run's own)."""
-    base = tmp_path_factory.getbasetemp()
-    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-    return shared / "fast-runs"
+    both xdist workers."""
+    return session_folder(tmp_path_factory) / "fast-runs"
 
 
 @pytest.mark.notebook

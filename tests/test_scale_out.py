@@ -34,6 +34,7 @@ from helpers import (
     cpu_env,
     finish_processes,
     free_port,
+    session_folder,
     start_processes,
 )
 
@@ -244,9 +245,7 @@ def two_processes(tmp_path_factory):
     Run once per test session: under pytest-xdist the first worker that needs it runs
     the job into a directory the workers share, and the others wait for it.
     """
-    base = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        base = base.parent  # shared by the session's workers
+    base = session_folder(tmp_path_factory)  # shared by the session's workers
     out = base / "two_processes"
     done = base / "two_processes.done"
     try:
