@@ -5,11 +5,10 @@ listed in `paper_figures/README.md`."""
 import json
 import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
 from helpers import session_folder
+from notebook_runner import NotebookRunner
 
 from sdiloco.paper import experiments, figures
 
@@ -30,32 +29,39 @@ def fast_runs(tmp_path_factory):
     return session_folder(tmp_path_factory) / "fast-runs"
 
 
+@pytest.fixture(scope="session")
+def runner(fast_runs, tmp_path_factory):
+    """This worker's notebook process (`notebook_runner`): the notebooks run in FAST
+    mode, drawing with Agg."""
+    env = dict(
+        os.environ,
+        SDILOCO_FAST="1",
+        MPLBACKEND="Agg",
+        **{experiments.FAST_RUNS: str(fast_runs)},
+    )
+    log = tmp_path_factory.mktemp("notebook-runner") / "stderr.txt"
+    runner = NotebookRunner(env, log)
+    yield runner
+    runner.close()
+
+
 @pytest.mark.notebook
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
-def test_notebook_runs_fast_and_writes_artifacts(path, tmp_path, fast_runs):
+def test_notebook_runs_fast_and_writes_artifacts(path, tmp_path, runner):
     # FAST runs are a few steps long and never recorded, so their time is XLA's
     # compiles: they compile as the suite does (`conftest.LEVEL_FLAG` and
     # `EMITTER_FLAG`; the tier's numerics are not the records', and no test here
     # reads them). A run another notebook of this pytest run trained already is
     # read from `fast_runs` (the FAST Streaming FP4 run at the standard budget is
     # in ten notebooks): the tier trains each distinct run once.
-    env = dict(
-        os.environ,
-        SDILOCO_FAST="1",
-        SDILOCO_FIGURES_DIR=str(tmp_path / "figures"),
-        SDILOCO_RUN_CACHE=str(tmp_path / "cache"),
-        MPLBACKEND="Agg",
-        **{experiments.FAST_RUNS: str(fast_runs)},
-    )
-    proc = subprocess.run(
-        [sys.executable, path.name],
-        cwd=path.parent,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,  # the longest FAST notebook, two sharing the 2 CPU cores
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    env = {
+        "SDILOCO_FIGURES_DIR": str(tmp_path / "figures"),
+        "SDILOCO_RUN_CACHE": str(tmp_path / "cache"),
+    }
+    log = tmp_path / "output.txt"
+    result = runner.run(path, env, log, timeout=900)  # the longest, 2 on 2 cores
+    output = log.read_text() if log.exists() else ""
+    assert result["ok"], output[-3000:] + result["error"][-4000:]
     written = sorted((tmp_path / "figures").iterdir())
     metas = [json.loads(p.read_text()) for p in written if p.suffix == ".json"]
     artifacts = [p for p in written if p.suffix in (".png", ".md")]
