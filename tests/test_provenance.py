@@ -254,3 +254,21 @@ def test_verify_cli_rejects_k_below_one_and_a_missing_index(tmp_path, capsys):
     assert figures.main(["--verify", "1", "--out", str(tmp_path)]) == 1
     err = capsys.readouterr().err
     assert "records.json" in err and "render the notebooks first" in err
+
+
+def test_verify_says_when_it_checked_fewer_records_than_asked(
+    tmp_path, monkeypatch, capsys
+):
+    (tmp_path / "records.json").write_text("{}")
+    monkeypatch.setattr(provenance, "_measure", lambda: ("a" * 16, {}))
+    row = {"notebook": "nb", "key": "k", "model": "tiny-xs", "steps": 4}
+    row |= {"equal": True, "max_rel_gap": 0.0, "why": "", "passed": True}
+    monkeypatch.setattr(verify, "verify", lambda records, index, k, seed: [row])
+    assert figures.main(["--verify", "3", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1] == (
+        "checked 1 of the 3 records asked for: no more notebooks have records "
+        "current on this machine"
+    )
+    assert figures.main(["--verify", "1", "--out", str(tmp_path)]) == 0
+    assert "records asked for" not in capsys.readouterr().out
