@@ -3,13 +3,12 @@ notebook.py` would, for `test_notebooks` (`NotebookRunner`).
 
 Each xdist worker starts one and hands it every notebook it is given, so that the
 imports (jax, equinox, matplotlib, the package: ~2.7 CPU-s) happen once per worker
-rather than once per notebook, and so that programs one notebook traced (a model's
-initialisation, its evaluation) are traced once. What a notebook runs in is as `python
+rather than once per notebook, and what jax keeps in memory (its caches of traced and
+compiled programs) stays for the next notebook. What a notebook runs in is as `python
 notebook.py` gives it: fresh globals as `__main__`, its folder the working directory
 and first on `sys.path`, the environment the test asks for; matplotlib's figures are
-closed after it. The one thing a notebook shares with the ones before it in this
-process is what the package keeps in memory (FAST runs already trained, traced
-programs), which a FAST notebook shares through `experiments.FAST_RUNS` anyway.
+closed after it. Besides jax's caches, a notebook shares with the ones before it only
+the FAST runs they trained, which it would read from `experiments.FAST_RUNS` anyway.
 
 Protocol: one JSON line in per notebook (`path`, `env`, `log`: where its stdout and
 stderr go), one JSON line back (`ok`, `error`: the traceback). Run as a script.
@@ -20,12 +19,15 @@ import json
 import os
 import pathlib
 import runpy
+import select
 import subprocess
 import sys
 import traceback
 
 
 def _run(path: pathlib.Path, env: dict[str, str], log: pathlib.Path) -> dict:
+    import matplotlib.pyplot as plt  # here: `MPLBACKEND` is in the runner's env
+
     os.environ.update(env)
     os.chdir(path.parent)
     sys.argv = [path.name]
@@ -42,8 +44,6 @@ def _run(path: pathlib.Path, env: dict[str, str], log: pathlib.Path) -> dict:
                 error = traceback.format_exc()
             finally:
                 sys.path.remove(str(path.parent))
-                import matplotlib.pyplot as plt
-
                 plt.close("all")
     return {"ok": not error, "error": error}
 
@@ -76,8 +76,6 @@ class NotebookRunner:
         """Run notebook `path` with `env` added; its output is written to `log`.
         Returns `ok` and `error`; a runner that died or ran past `timeout` seconds
         is stopped, and `error` says so."""
-        import select
-
         if self.proc is None or self.proc.poll() is not None:
             self.close()
             with open(self.log, "a") as stderr:

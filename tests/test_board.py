@@ -14,10 +14,13 @@ service, so the numbers are tested here and the processes in `test_elastic.py`.
 """
 
 import ast
+import gc
 import pathlib
 import socket
+import sys
 import threading
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -453,6 +456,25 @@ def test_a_heal_larger_than_a_chunk_crosses_from_the_peer(server):
         for b in (peer, asker):
             b.close()
         depots[0].close()
+
+
+def test_a_connection_whose_hello_goes_unanswered_closes_its_socket(monkeypatch):
+    # A board's server too busy to answer a HELLO within `reply_s` (a loaded
+    # machine): the connection is refused with `OSError`, and its socket closed,
+    # not left for the garbage collector (a `ResourceWarning` later, elsewhere).
+    dropped = []
+    monkeypatch.setattr(sys, "unraisablehook", dropped.append)
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts, never answers
+        address = f"127.0.0.1:{silent.getsockname()[1]}"
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ResourceWarning)
+            try:
+                net.Connection(address, node=1, progress_s=0.2)
+                raise AssertionError("a HELLO nobody answered was taken")
+            except OSError:
+                pass
+            gc.collect()
+    assert not [u.exc_value for u in dropped], [u.exc_value for u in dropped]
 
 
 def test_a_heal_is_routed_again_as_soon_as_its_peer_is_gone(server):

@@ -218,9 +218,13 @@ class Connection:
         self.chunk, self.progress_s = chunk_bytes, progress_s
         self.reply_s = progress_s if reply_s is None else reply_s
         self.sock = socket.create_connection(split_address(address), self.reply_s)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if node is not None:
-            self.request(HELLO, str(node))
+        try:
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if node is not None:
+                self.request(HELLO, str(node))
+        except BaseException:  # a HELLO unanswered in time: no socket left open
+            self.sock.close()
+            raise
 
     def request(
         self,

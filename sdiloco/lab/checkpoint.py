@@ -173,6 +173,7 @@ class Checkpointer:
             STATE: ocp.args.StandardRestore(abstract),
             META: ocp.args.JsonRestore(),
         }
+        _quiet_closed_loops()  # before the read: its callbacks may come at once
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(**items))
         except Exception as e:  # names, shapes and dtypes matched: damaged files
