@@ -33,18 +33,21 @@ def _run(path: pathlib.Path, env: dict[str, str], log: pathlib.Path) -> dict:
     sys.argv = [path.name]
     sys.path.insert(0, str(path.parent))
     error = ""
-    with open(log, "w") as out, contextlib.redirect_stdout(out):
-        with contextlib.redirect_stderr(out):
-            try:
-                runpy.run_path(str(path), run_name="__main__")
-            except SystemExit as e:
-                if e.code not in (None, 0):
-                    error = traceback.format_exc()
-            except Exception:
+    with (
+        open(log, "w") as out,
+        contextlib.redirect_stdout(out),
+        contextlib.redirect_stderr(out),
+    ):
+        try:
+            runpy.run_path(str(path), run_name="__main__")
+        except SystemExit as e:
+            if e.code not in (None, 0):
                 error = traceback.format_exc()
-            finally:
-                sys.path.remove(str(path.parent))
-                plt.close("all")
+        except Exception:
+            error = traceback.format_exc()
+        finally:
+            sys.path.remove(str(path.parent))
+            plt.close("all")
     return {"ok": not error, "error": error}
 
 

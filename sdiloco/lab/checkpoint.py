@@ -42,15 +42,13 @@ class CorruptCheckpoint(CheckpointError):
     """A checkpoint that cannot be read (partial, or damaged files); an older one of
     the same directory may still be intact."""
 
-    def __init__(self, message: str):
-        super().__init__(message)
-        _quiet_closed_loops()
-
 
 def _quiet_closed_loops() -> None:
     """After a failed read, tensorstore's pending callbacks reach orbax's closed
     event loop and each prints `RuntimeError: Event loop is closed` (through
-    `sys.unraisablehook`), later and out of context; drop those, keep the rest."""
+    `sys.unraisablehook`), later and out of context; drop those, keep the rest.
+    Installed (once) before `Checkpointer.restore` reads anything: the callbacks
+    can come before the read's own error does."""
     previous = sys.unraisablehook
     if getattr(previous, "_sdiloco", False):
         return
@@ -131,6 +129,7 @@ class Checkpointer:
             CheckpointError: no checkpoint, a partial one, another config, or a state
                 that does not match the template.
         """
+        _quiet_closed_loops()
         if step is None:
             step = self.latest_step()
         if step is None or step not in self.manager.all_steps():
@@ -173,7 +172,6 @@ class Checkpointer:
             STATE: ocp.args.StandardRestore(abstract),
             META: ocp.args.JsonRestore(),
         }
-        _quiet_closed_loops()  # before the read: its callbacks may come at once
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(**items))
         except Exception as e:  # names, shapes and dtypes matched: damaged files

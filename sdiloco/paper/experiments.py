@@ -359,19 +359,24 @@ Streaming FP4 run at the standard budget is in up to ten notebooks. Unset, each
 process trains its own. Never the records' folder: nothing in it is a record."""
 
 
+def _shared_fast_run(key: str) -> pathlib.Path | None:
+    """Where FAST run `key` is kept for other processes (None: `FAST_RUNS` unset)."""
+    folder = os.environ.get(FAST_RUNS)
+    return pathlib.Path(folder) / f"{key}.json" if folder else None
+
+
 def _fast_run(key: str) -> dict[str, Any] | None:
     """A FAST run finished in this process or, in `$SDILOCO_FAST_RUNS`, in another."""
-    if key not in _FAST_RUNS and os.environ.get(FAST_RUNS):
-        path = pathlib.Path(os.environ[FAST_RUNS]) / f"{key}.json"
-        if path.exists():
-            _FAST_RUNS[key] = json.loads(path.read_text())
+    path = _shared_fast_run(key)
+    if key not in _FAST_RUNS and path is not None and path.exists():
+        _FAST_RUNS[key] = json.loads(path.read_text())
     return _FAST_RUNS.get(key)
 
 
 def _keep_fast_run(key: str, d: dict[str, Any]) -> None:
     _FAST_RUNS[key] = d
-    if os.environ.get(FAST_RUNS):
-        _write_whole(pathlib.Path(os.environ[FAST_RUNS]) / f"{key}.json", d)
+    if (path := _shared_fast_run(key)) is not None:
+        _write_whole(path, d)
 
 
 def _write_whole(path: pathlib.Path, d: Mapping[str, Any]) -> None:
