@@ -141,3 +141,42 @@ def test_the_record_index_names_records_that_exist():
         k for keys in index.values() for k in keys if not (runs / f"{k}.json").exists()
     ]
     assert not missing, missing[:5]
+
+
+def test_the_runner_reports_a_failure_a_death_and_a_timeout_and_goes_on(tmp_path):
+    # `notebook_runner`: a notebook runs as `python notebook.py` would (its folder
+    # the working directory, the test's env, its output in its log); one that
+    # raises gives its traceback; a runner that dies or runs past its time is
+    # stopped, and the next notebook gets a new one.
+    scripts = {
+        "ok": "import os, pathlib\npathlib.Path('who.txt').write_text(os.environ['WHO'])"
+        "\nprint('hello')\n",
+        "bad": "raise ValueError('lr=-1.0; must be > 0.')\n",
+        "dies": "import os\nos._exit(3)\n",
+        "slow": "import time\ntime.sleep(30)\n",
+    }
+    for name, text in scripts.items():
+        (tmp_path / f"{name}.py").write_text(text)
+    runner = NotebookRunner(dict(os.environ, MPLBACKEND="Agg"), tmp_path / "err.txt")
+    try:
+        log = tmp_path / "log.txt"
+        assert runner.run(tmp_path / "ok.py", {"WHO": "a"}, log, 60) == {
+            "ok": True,
+            "error": "",
+        }
+        assert (tmp_path / "who.txt").read_text() == "a"
+        assert log.read_text() == "hello\n"
+        first = runner.proc
+        bad = runner.run(tmp_path / "bad.py", {}, log, 60)
+        assert not bad["ok"] and "ValueError: lr=-1.0; must be > 0." in bad["error"]
+        assert runner.proc is first  # a failing notebook leaves the runner as it was
+        died = runner.run(tmp_path / "dies.py", {}, log, 60)
+        assert not died["ok"] and "the notebook runner died" in died["error"]
+        late = runner.run(tmp_path / "slow.py", {}, log, 1)
+        assert not late["ok"] and "ran past its time limit" in late["error"]
+        assert runner.proc is None
+        assert runner.run(tmp_path / "ok.py", {"WHO": "b"}, log, 60)["ok"]
+        assert (tmp_path / "who.txt").read_text() == "b"
+        assert runner.proc is not first
+    finally:
+        runner.close()
