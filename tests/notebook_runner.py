@@ -28,6 +28,7 @@ import traceback
 def _run(path: pathlib.Path, env: dict[str, str], log: pathlib.Path) -> dict:
     import matplotlib.pyplot as plt  # here: `MPLBACKEND` is in the runner's env
 
+    before = dict(os.environ)
     os.environ.update(env)
     os.chdir(path.parent)
     sys.argv = [path.name]
@@ -48,6 +49,8 @@ def _run(path: pathlib.Path, env: dict[str, str], log: pathlib.Path) -> dict:
         finally:
             sys.path.remove(str(path.parent))
             plt.close("all")
+            os.environ.clear()  # the next notebook gets the runner's env and its own
+            os.environ.update(before)
     return {"ok": not error, "error": error}
 
 

@@ -151,6 +151,8 @@ def test_the_runner_reports_a_failure_a_death_and_a_timeout_and_goes_on(tmp_path
     scripts = {
         "ok": "import os, pathlib\npathlib.Path('who.txt').write_text(os.environ['WHO'])"
         "\nprint('hello')\n",
+        "who": "import os, pathlib\n"
+        "pathlib.Path('who.txt').write_text(os.environ.get('WHO', 'nobody'))\n",
         "bad": "raise ValueError('lr=-1.0; must be > 0.')\n",
         "dies": "import os\nos._exit(3)\n",
         "slow": "import time\ntime.sleep(30)\n",
@@ -167,6 +169,9 @@ def test_the_runner_reports_a_failure_a_death_and_a_timeout_and_goes_on(tmp_path
         assert (tmp_path / "who.txt").read_text() == "a"
         assert log.read_text() == "hello\n"
         first = runner.proc
+        assert runner.run(tmp_path / "who.py", {}, log, 60)["ok"]  # env not kept
+        assert (tmp_path / "who.txt").read_text() == "nobody"
+        assert runner.proc is first
         bad = runner.run(tmp_path / "bad.py", {}, log, 60)
         assert not bad["ok"] and "ValueError: lr=-1.0; must be > 0." in bad["error"]
         assert runner.proc is first  # a failing notebook leaves the runner as it was
