@@ -163,8 +163,10 @@ for r in RECIPES:
 for ax, m in zip(axes[0], REPLICAS):
     dp = np.asarray(ex.finals(baseline, f"M={m}"))
     for r in RECIPES:
-        losses = np.asarray(ex.finals(results, f"M={m}|{r}"))
-        gaps = 100 * (losses - dp) / dp.mean()
+        base, losses = ex.paired(  # seed by seed, matched by seed id
+            ex.finals(baseline, f"M={m}"), ex.finals(results, f"M={m}|{r}")
+        )
+        gaps = 100 * (losses - base) / base.mean()
         paper = r == frontier.PAPER
         ax.errorbar(
             dodge[r],
@@ -321,11 +323,11 @@ sizes = {MODEL: (results, baseline), frontier.CHECK_MODEL: (checked, check_dp)}
 def size_gaps(model):
     """Recipe → per-seed relative gap to Data-Parallel (%) at `model`, M = 2."""
     runs, base = sizes[model]
-    dp = np.asarray(ex.finals(base, "M=2"))
-    return {
-        r: 100 * (np.asarray(ex.finals(runs, f"M=2|{r}")) - dp) / dp.mean()
-        for r in CHECKED
-    }
+    gaps = {}
+    for r in CHECKED:
+        dp, losses = ex.paired(ex.finals(base, "M=2"), ex.finals(runs, f"M=2|{r}"))
+        gaps[r] = 100 * (losses - dp) / dp.mean()
+    return gaps
 
 
 check_rows = []

@@ -73,9 +73,10 @@ ROUNDS = first.steps // H
 
 def gaps(m, name):
     """`[seeds, τ]`: the relative gap to Data-Parallel at the same M (%)."""
-    dp = np.asarray(ex.finals(baseline, f"M={m}"))
-    loss = [np.asarray(ex.finals(results, f"M={m}|tau={t}|{name}")) for t in TAUS]
-    return 100 * (np.asarray(loss) - dp) / dp  # [τ, seeds]
+    dp = ex.finals(baseline, f"M={m}")  # each τ paired with it by seed id
+    pairs = [ex.paired(dp, ex.finals(results, f"M={m}|tau={t}|{name}")) for t in TAUS]
+    gap = [100 * (loss - base) / base for base, loss in pairs]
+    return np.asarray(gap)  # [τ, seeds]
 
 
 # %%

@@ -147,8 +147,10 @@ def gap_trend(method: str, sizes: tuple[str, ...]) -> dict[str, float]:
     independent points (sizes − 2 degrees of freedom)."""
     x, y = [], []
     for size in sizes:
-        dp = np.asarray(ex.finals(results, f"Data-Parallel|{size}"))
-        other = np.asarray(ex.finals(results, f"{method}|{size}"))
+        dp, other = ex.paired(  # matched by seed id
+            ex.finals(results, f"Data-Parallel|{size}"),
+            ex.finals(results, f"{method}|{size}"),
+        )
         x.append(np.log10(model_lib.preset(size).num_params()))
         y.append(100 * float(np.mean(other - dp)) / float(np.mean(dp)))
     return ex.trend(x, y)

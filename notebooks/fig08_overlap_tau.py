@@ -89,11 +89,9 @@ rows.append({"tau": "Data-Parallel", f"loss, alpha={ALPHAS[0]}": ex.mean_pm(dp)}
 def gap_slope(alpha: float, taus: tuple[int, ...]) -> str:
     """The cost of overlap: per seed, the slope of the gap to Data-Parallel (% of its
     loss) against τ; the mean over seeds with its 95 % t-interval (seeds − 1 dof)."""
-    base = np.asarray(ex.finals(baseline, "Data-Parallel"))
-    gaps = [
-        100 * (np.asarray(ex.finals(results, f"tau={t}|alpha={alpha}")) - base) / base
-        for t in taus
-    ]
+    dp = ex.finals(baseline, "Data-Parallel")  # each τ paired with it by seed id
+    pairs = [ex.paired(dp, ex.finals(results, f"tau={t}|alpha={alpha}")) for t in taus]
+    gaps = [100 * (loss - base) / base for base, loss in pairs]
     fit = ex.seed_slopes(taus, np.asarray(gaps).T)
     return f"{fit['slope']:+.3f} [{fit['low']:+.3f}, {fit['high']:+.3f}]"
 

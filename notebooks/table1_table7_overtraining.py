@@ -266,7 +266,7 @@ for method in ("Ours, M=2", "Ours, M=4"):
                 100 * paper_gap / PAPER["Data-Parallel"][label][1], 1
             ),
             "ours: minus Data-Parallel, per seed": ", ".join(
-                f"{o - d:+.3f}" for o, d in zip(ours, dp)
+                f"{o - d:+.3f}" for d, o in zip(*ex.paired(dp, ours))
             ),
             "ours: relative mean [95 % interval, nats/byte]": ex.gap_text(dp, ours),
         }

@@ -114,6 +114,59 @@ def test_finals_are_the_last_evaluation_of_each_seed_in_seed_order():
         ex.finals(results, "c")
 
 
+def _finals_of(losses_by_name_and_seed):
+    """`{name: {seed: loss}}` as results in the given order, then `finals` per name."""
+    config = ex.setup("data_parallel")
+    results = [
+        ex.Result(name, seed, config, [{"step": 0, "eval/global": loss}], [], {})
+        for name, by_seed in losses_by_name_and_seed.items()
+        for seed, loss in by_seed.items()
+    ]
+    return {name: ex.finals(results, name) for name in losses_by_name_and_seed}
+
+
+def test_seed_paired_gaps_match_by_seed_id_not_by_position():
+    # differences by seed: 0.1, 0.3, 0.2 (the gap_text example above)
+    base = {0: 1.0, 1: 2.0, 2: 3.0}
+    other = {2: 3.2, 0: 1.1, 1: 2.3}  # recorded out of seed order
+    f = _finals_of({"a": base, "b": other})
+    expected = ex.paired_gap([1.0, 2.0, 3.0], [1.1, 2.3, 3.2])
+    assert ex.paired_gap(f["a"], f["b"]) == expected
+    assert ex.gap_text(f["a"], f["b"]) == "+10.0 % [-0.048, +0.448]"
+    assert f["b"].seeds == (0, 1, 2) and f["b"] == [1.1, 2.3, 3.2]
+    # the same values listed in another seed order pair by seed id, not position
+    shuffled = ex.Finals([3.2, 1.1, 2.3], seeds=[2, 0, 1], name="b")
+    assert ex.paired_gap(f["a"], shuffled) == expected
+    assert ex.gap_text(f["a"], shuffled) == "+10.0 % [-0.048, +0.448]"
+    b, o = ex.paired(f["a"], shuffled)
+    assert b.tolist() == [1.0, 2.0, 3.0] and o.tolist() == [1.1, 2.3, 3.2]
+    backwards = ex.Finals([3.0, 1.0, 2.0], seeds=[2, 0, 1], name="a")
+    assert ex.paired_gap(backwards, f["b"])["mean"] == pytest.approx(0.2)
+    one = _finals_of({"a": {3: 2.0}, "b": {3: 2.05}})
+    assert ex.gap_text(one["a"], one["b"]) == "+2.5 % (one seed)"
+
+
+def test_a_seed_missing_from_one_side_fails_loudly_naming_it():
+    # the same number of seeds, one different: by position they would pair 1 with 2
+    f = _finals_of({"a": {0: 1.0, 1: 2.0, 2: 3.0}, "b": {0: 1.1, 2: 3.2, 3: 2.3}})
+    for gap in ("paired_gap", "gap_text", "paired"):
+        with pytest.raises(ValueError) as error:
+            getattr(ex, gap)(f["a"], f["b"])
+        message = str(error.value)
+        assert "'b' lacks seed(s) [1] that 'a' has" in message
+        assert "'a' lacks seed(s) [3] that 'b' has" in message
+    # one seed fewer on one side
+    f = _finals_of({"dp": {0: 1.0, 1: 2.0, 2: 3.0}, "ours": {0: 1.1, 2: 3.2}})
+    for gap in ("paired_gap", "gap_text", "paired"):
+        with pytest.raises(ValueError, match=r"'ours' lacks seed\(s\) \[1\] that 'dp'"):
+            getattr(ex, gap)(f["dp"], f["ours"])
+    with pytest.raises(ValueError, match="a seed repeats"):
+        ex.Finals([1.0, 2.0], seeds=[0, 0], name="a")
+    # plain lists (paired by how they were built) still pair by position
+    with pytest.raises(ValueError, match="equal lengths"):
+        ex.paired_gap([1.0, 2.0, 3.0], [1.0, 2.0])
+
+
 def test_run_one_logs_the_training_time_of_a_recorded_run(tmp_path, monkeypatch):
     """A run read from its record is logged with the record's training time, not
     trained: what `sdiloco.paper` sums into `runtimes.json`."""

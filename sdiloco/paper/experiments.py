@@ -15,7 +15,9 @@ held-out split.
 `summarize` reduces results to mean ± standard deviation over seeds (plus min and max),
 which is what every learning table reports; `paired_gap` gives the seed-paired
 difference of two methods with its 95 % t-interval and `gap_text` writes it as a
-table cell (or the one-seed relative difference in FAST mode).
+table cell (or the one-seed relative difference in FAST mode). `finals` returns a run
+name's final losses with their seed ids (`Finals`), and `paired`, under both, matches
+two such lists by seed id, not by position: a seed one side lacks fails loudly.
 """
 
 import dataclasses
@@ -162,13 +164,76 @@ def describe(values: Sequence[float]) -> dict[str, float]:
     }
 
 
+class Finals(list):
+    """The final values of one name's runs, in seed order, with their seed ids.
+
+    A list of floats (`np.asarray`, `describe`, indexing work as on any list) that
+    also carries `seeds` (one id per value) and the `name` of the runs, so that
+    `paired` (and `paired_gap`, `gap_text`) match two of them by seed id.
+    """
+
+    def __init__(self, values: Sequence[float], seeds: Sequence[int], name: str = ""):
+        super().__init__(values)
+        self.seeds = tuple(int(s) for s in seeds)
+        self.name = name
+        if len(self.seeds) != len(self):
+            raise ValueError(
+                f"Finals {name!r}: {len(self)} values but {len(self.seeds)} seeds."
+            )
+        if len(set(self.seeds)) != len(self.seeds):
+            raise ValueError(f"Finals {name!r}: a seed repeats in {list(self.seeds)}.")
+
+
+def paired(
+    base: Sequence[float], other: Sequence[float]
+) -> tuple[np.ndarray, np.ndarray]:
+    """`base` and `other` as float64 arrays, one seed pair per position.
+
+    Where both carry their seed ids (`Finals`, as `finals` returns them), the pairs
+    are matched by seed id, in `base`'s seed order; so the order either side lists
+    its seeds in does not matter. Otherwise (plain sequences, paired by how they were
+    built) they pair by position.
+
+    Raises:
+        ValueError: if one side lacks a seed the other has (the message names both
+            sides and the missing seed ids), or plain sequences differ in length.
+    """
+    if isinstance(base, Finals) and isinstance(other, Finals):
+        missing = {
+            (other.name, base.name): sorted(set(base.seeds) - set(other.seeds)),
+            (base.name, other.name): sorted(set(other.seeds) - set(base.seeds)),
+        }
+        wrong = [
+            f"{where!r} lacks seed(s) {seeds} that {there!r} has"
+            for (where, there), seeds in missing.items()
+            if seeds
+        ]
+        if wrong:
+            raise ValueError(
+                f"seed-paired {other.name!r} − {base.name!r}: " + "; ".join(wrong) + "."
+            )
+        at = dict(zip(other.seeds, other))
+        values = [at[s] for s in base.seeds]
+        return np.asarray(base, np.float64), np.asarray(values, np.float64)
+    if len(base) != len(other):
+        raise ValueError(
+            f"seed pairs need equal lengths; got {len(base)} base and {len(other)} "
+            "other values."
+        )
+    return np.asarray(base, np.float64), np.asarray(other, np.float64)
+
+
 def paired_gap(base: Sequence[float], other: Sequence[float]) -> dict[str, float]:
     """Seed-paired `other − base`: mean, 95 % t-interval and the relative mean gap.
 
+    The pairs are matched by seed id where both sides carry one (`paired`).
+
     Raises:
-        ValueError: with fewer than two pairs (no interval).
+        ValueError: with fewer than two pairs (no interval), or sides that do not
+            pair (`paired`).
     """
-    d = np.asarray(other, np.float64) - np.asarray(base, np.float64)
+    b, o = paired(base, other)
+    d = o - b
     if d.size < 2:
         raise ValueError(f"paired_gap needs >= 2 seed pairs; got {d.size}.")
     half = t_half_width(d)
@@ -176,7 +241,7 @@ def paired_gap(base: Sequence[float], other: Sequence[float]) -> dict[str, float
         "mean": float(d.mean()),
         "low": float(d.mean() - half),
         "high": float(d.mean() + half),
-        "relative": float(d.mean() / scale) if (scale := np.mean(base)) else math.nan,
+        "relative": float(d.mean() / scale) if (scale := np.mean(b)) else math.nan,
         "n": int(d.size),
     }
 
@@ -186,18 +251,22 @@ def gap_text(base: Sequence[float], other: Sequence[float]) -> str:
 
     With two or more seed pairs, the relative mean gap and the 95 % t-interval of the
     differences in the loss's own units (`paired_gap`): `"+2.4 % [-0.012, +0.031]"`.
-    With one pair (FAST mode) there is no interval: `"+2.4 % (one seed)"`.
+    With one pair (FAST mode) there is no interval: `"+2.4 % (one seed)"`. The pairs
+    are matched by seed id where both sides carry one (`paired`).
 
     Raises:
-        ValueError: if the sequences are empty or differ in length.
+        ValueError: if the sequences are empty, differ in length, or lack a seed the
+            other side has (`paired`).
     """
-    if len(base) != len(other) or not len(base):
+    both = isinstance(base, Finals) and isinstance(other, Finals)
+    if not len(base) or not len(other) or (len(base) != len(other) and not both):
         raise ValueError(
             f"gap_text needs equal, non-empty seed lists; got {len(base)} base and "
             f"{len(other)} other losses."
         )
-    if len(base) == 1:
-        return f"{100 * (other[0] - base[0]) / base[0]:+.1f} % (one seed)"
+    b, o = paired(base, other)  # by seed id where both carry one; raises if one lacks
+    if b.size == 1:
+        return f"{100 * (o[0] - b[0]) / b[0]:+.1f} % (one seed)"
     gap = paired_gap(base, other)
     return f"{100 * gap['relative']:+.1f} % [{gap['low']:+.3f}, {gap['high']:+.3f}]"
 
@@ -413,18 +482,17 @@ def summarize(
     return {name: describe(values) for name, values in by_name.items()}
 
 
-def finals(
-    results: Sequence[Result], name: str, metric: str = "eval/global"
-) -> list[float]:
-    """The final `metric` of every run named `name`, in seed order (for pairing).
+def finals(results: Sequence[Result], name: str, metric: str = "eval/global") -> Finals:
+    """The final `metric` of every run named `name`, in seed order, with the seed ids
+    (`Finals`: `paired_gap` and `gap_text` pair two of them by seed id).
 
     Raises:
-        ValueError: if no result has that name.
+        ValueError: if no result has that name, or one seed has two runs.
     """
     runs = sorted((r for r in results if r.name == name), key=lambda r: r.seed)
     if not runs:
         raise ValueError(f"no results named {name!r}.")
-    return [r.final(metric) for r in runs]
+    return Finals([r.final(metric) for r in runs], [r.seed for r in runs], name)
 
 
 def mean_pm(stats: Mapping[str, float], digits: int = 3) -> str:
