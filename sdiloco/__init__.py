@@ -46,6 +46,7 @@ from .fragments import (
     fragments_by_layer as fragments_by_layer,
     fragments_from_labels as fragments_from_labels,
     fragments_from_masks as fragments_from_masks,
+    fragments_from_path as fragments_from_path,
     single_fragment as single_fragment,
 )
 from .jit import jit_step as jit_step

@@ -15,6 +15,8 @@ Three ways to build fragments:
 - `fragments_by_layer`: by layer index for models whose blocks are stacked on one axis,
   strided or sequential, with all non-block parameters in fragment 0
   (docs/contract.md §1);
+- `fragments_from_path`: a label computed from each leaf's key path (e.g. the
+  index of `model.layers[i]` in an Equinox model whose layers are a list);
 - `fragments_from_labels`: an explicit label per leaf or per row, for any pytree;
 - `fragments_from_masks`: one boolean mask per fragment, checked to partition exactly.
 """
@@ -107,7 +109,8 @@ def fragments_by_layer(
     layers_per_fragment: int = 3,
     pattern: str = "strided",
 ) -> Fragments:
-    """Fragments by layer index for a model whose blocks are stacked on one axis.
+    """Fragments by layer index, for a model whose blocks are stacked on one axis or
+    held in a list (or tuple) of layers.
 
     The L blocks (0-based ℓ) form `P_b = L / layers_per_fragment` fragments, numbered
     1..P_b: strided puts block ℓ in fragment `1 + ℓ mod P_b`, sequential in
@@ -117,8 +120,10 @@ def fragments_by_layer(
 
     Args:
         params: the parameters (any pytree, e.g. an Equinox model).
-        blocks: selects the stacked blocks, e.g. `lambda model: model.blocks`; every
-            parameter leaf under it must have the same leading (layer) dimension L.
+        blocks: selects the blocks, e.g. `lambda model: model.blocks`: either one
+            subtree whose parameter leaves share a leading (layer) dimension L, or a
+            list or tuple of L layers (`lambda mlp: mlp.layers` for an
+            `eqx.nn.MLP`), layer ℓ being element ℓ.
         layers_per_fragment: blocks per fragment; must divide L.
         pattern: `"strided"` (default, as in the paper) or `"sequential"`.
 
@@ -135,6 +140,10 @@ def fragments_by_layer(
         >>> frags = fragments_by_layer(params, blocks=lambda p: p["blocks"])
         >>> frags.num_fragments, frags.labels[0].tolist()
         (3, [1, 2, 1, 2, 1, 2])
+        >>> layers = {"layers": [{"w": jnp.zeros((2, 2))} for _ in range(4)]}
+        >>> fragments_by_layer(layers, blocks=lambda p: p["layers"],
+        ...                    layers_per_fragment=2).num_fragments
+        2
     """
     if pattern not in ("strided", "sequential"):
         raise ValueError(
@@ -143,6 +152,14 @@ def fragments_by_layer(
     if not isinstance(layers_per_fragment, int) or layers_per_fragment < 1:
         raise ValueError(
             f"layers_per_fragment={layers_per_fragment!r}; must be an integer >= 1."
+        )
+    try:
+        selected = blocks(params)
+    except Exception as e:  # noqa: BLE001 - re-raised with context
+        raise ValueError(f"blocks={blocks!r} does not select a subtree: {e}") from e
+    if isinstance(selected, list | tuple):
+        return _by_layer_list(
+            params, blocks, len(selected), layers_per_fragment, pattern
         )
     flags = jax.tree.map(lambda _: False, params)
     try:
@@ -165,24 +182,93 @@ def fragments_by_layer(
             f"got leading sizes {sorted(map(str, layer_dims))}."
         )
     num_layers = int(next(iter(layer_dims)) or 0)
-    if num_layers % layers_per_fragment:
-        raise ValueError(
-            f"layers_per_fragment={layers_per_fragment} does not divide the number of "
-            f"layers {num_layers}; allowed: a divisor of {num_layers}."
-        )
-    num_block_frags = num_layers // layers_per_fragment
-    layer = np.arange(num_layers)
-    if pattern == "strided":
-        block_labels = layer % num_block_frags
-    else:
-        block_labels = layer // layers_per_fragment
+    block_labels = _layer_labels(num_layers, layers_per_fragment, pattern)
     has_rest = not all(is_block)
     block_labels = block_labels + int(has_rest)
     labels = tuple(
         block_labels.astype(np.int32) if b else np.asarray(0, np.int32)
         for b in is_block
     )
+    num_block_frags = num_layers // layers_per_fragment
     return Fragments(labels, tuple(shapes), num_block_frags + int(has_rest))
+
+
+def _layer_labels(num_layers: int, layers_per_fragment: int, pattern: str):
+    """The 0-based block fragment of each of `num_layers` layers."""
+    if num_layers % layers_per_fragment:
+        raise ValueError(
+            f"layers_per_fragment={layers_per_fragment} does not divide the number of "
+            f"layers {num_layers}; allowed: a divisor of {num_layers}."
+        )
+    layer = np.arange(num_layers)
+    if pattern == "strided":
+        return layer % (num_layers // layers_per_fragment)
+    return layer // layers_per_fragment
+
+
+def _by_layer_list(
+    params: Params, blocks: Callable, count: int, layers_per_fragment: int, pattern
+) -> Fragments:
+    """`fragments_by_layer` where `blocks` selects a list or tuple of `count`
+    layers: every leaf of layer ℓ is labelled with ℓ's fragment, the rest 0."""
+    if count == 0:
+        raise ValueError("blocks selects an empty list of layers.")
+    block_labels = _layer_labels(count, layers_per_fragment, pattern).tolist()
+    rest = -1
+    tree = jax.tree.map(lambda _: rest, params)
+    tree = eqx.tree_at(
+        blocks,
+        tree,
+        replace_fn=lambda layers: type(layers)(
+            jax.tree.map(lambda _: block_labels[i], layer)
+            for i, layer in enumerate(layers)
+        ),
+    )
+    inside = [
+        lab != rest
+        for leaf, lab in zip(jax.tree.leaves(params), jax.tree.leaves(tree))
+        if eqx.is_inexact_array(leaf)
+    ]
+    if not any(inside):
+        raise ValueError("blocks selects no floating-point array leaves.")
+    shift = 0 if all(inside) else 1  # the non-block parameters are fragment 0
+    return fragments_from_labels(
+        params, jax.tree.map(lambda lab: 0 if lab == rest else lab + shift, tree)
+    )
+
+
+def fragments_from_path(
+    params: Params, label: Callable[[tuple, Array], Any]
+) -> Fragments:
+    """Fragments from a function of each parameter leaf's key path.
+
+    Args:
+        params: the parameters (any pytree, e.g. an Equinox model).
+        label: `label(path, leaf) -> int` (the whole leaf) or an integer array of
+            shape `(leaf.shape[0],)` (one label per row), for each floating-point
+            array leaf; `path` is its JAX key path (`jax.tree_util.keystr(path)`
+            reads it as text, e.g. `.layers[1].weight`). Labels must use every
+            value of `0..P-1`.
+
+    Returns:
+        The fragments.
+
+    Raises:
+        ValueError: as `fragments_from_labels`.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> params = {"embed": jnp.zeros(3), "layers": [jnp.zeros(2), jnp.zeros(2)]}
+        >>> def by_layer(path, leaf):  # layer i -> fragment 1 + i, the rest 0
+        ...     return 1 + path[1].idx if path[0].key == "layers" else 0
+        >>> fragments_from_path(params, by_layer).num_fragments
+        3
+    """
+    labels = jax.tree_util.tree_map_with_path(
+        lambda path, leaf: label(path, leaf) if eqx.is_inexact_array(leaf) else 0,
+        params,
+    )
+    return fragments_from_labels(params, labels)
 
 
 def fragments_from_labels(params: Params, labels: Any) -> Fragments:
@@ -213,7 +299,11 @@ def fragments_from_labels(params: Params, labels: Any) -> Fragments:
         pairs = p_struct.flatten_up_to(labels)
     except (ValueError, TypeError) as e:
         raise ValueError(
-            f"labels must have the structure of params ({p_struct}); {e}"
+            f"labels (a {type(labels).__name__}) must have the structure of params, "
+            "one entry per leaf (for an Equinox model: the model with an integer in "
+            "place of each array); to label by layer or by name, use "
+            "fragments_by_layer(params, blocks=lambda m: m.layers) or "
+            "fragments_from_path(params, fn) instead."
         ) from e
     out, shapes = [], []
     for leaf, lab in zip(jax.tree.leaves(params), pairs):

@@ -9,11 +9,14 @@ the syncs of that fragment, not global steps.
 
 The outer optimizer sees only the fragment's elements (its pieces, gathered by the
 fragment's `inflight.Group`), so transforms that reduce over the tree (e.g. clipping by
-global norm) see that fragment alone. Its state must mirror the parameters (true of
-optax's element-wise optimizers; not of factored ones such as adafactor).
+global norm, `optax.clip_by_global_norm`) see that fragment alone: they clip each
+fragment by its own norm, not the model's. Its state must mirror the parameters
+(true of optax's element-wise optimizers; not of factored ones such as adafactor,
+which `check_outer` refuses when the algorithm is built).
 """
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -44,10 +47,50 @@ class GlobalMemory:
         return jax.device_put(x, jax.memory.Space.Host) if self.offload else x
 
 
+def check_outer(outer: optax.GradientTransformation, params: Any) -> None:
+    """Refuse an outer optimizer whose state does not mirror the parameters element
+    by element (a factored one such as `optax.adafactor`): a fragment's outer step
+    reads and writes its own elements of that state, which needs each of its
+    parameter-like leaves shaped as its parameter.
+
+    Args:
+        outer: the outer optimizer.
+        params: the parameter leaves, or their `jax.ShapeDtypeStruct`s (nothing is
+            computed: the state's shapes are traced).
+
+    Raises:
+        ValueError: naming the first state leaf whose shape is not its parameter's.
+    """
+    state = jax.eval_shape(outer.init, params)
+    bad = []
+
+    def same(leaf: Any, param: Any) -> Any:
+        if jnp.shape(leaf) != jnp.shape(param):
+            bad.append((jnp.shape(leaf), jnp.shape(param)))
+        return leaf
+
+    optax.tree_utils.tree_map_params(outer, same, state, params)
+    if bad:
+        got, want = bad[0]
+        raise ValueError(
+            f"outer: the outer optimizer keeps state of shape {got} for a parameter "
+            f"of shape {want} ({len(bad)} such leaves: a factored optimizer such as "
+            "adafactor); allowed: an outer optimizer whose state mirrors the "
+            "parameters element by element (sgd, Nesterov, adam, ...), since each "
+            "fragment steps its own elements."
+        )
+
+
 def outer_init(
     outer: optax.GradientTransformation, params: Params, num_fragments: int
 ) -> optax.OptState:
-    """Outer optimizer state for `num_fragments` fragments (non-param leaves stacked)."""
+    """Outer optimizer state for `num_fragments` fragments (non-param leaves stacked).
+
+    Raises:
+        ValueError: an outer optimizer whose state does not mirror the parameters
+            (`check_outer`).
+    """
+    check_outer(outer, params)
     state = outer.init(params)
     return optax.tree_utils.tree_map_params(
         outer,

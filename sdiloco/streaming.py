@@ -60,7 +60,13 @@ from .fragments import Fragments, check_matches, single_fragment
 from .inflight import Group, Layout, Visit, make_layout
 from .inner import check_batch, inner_steps, replicate
 from .merging import MergePolicy, merge_policy
-from .outer import GlobalMemory, fragment_outer_step, outer_init, outer_step_pieces
+from .outer import (
+    GlobalMemory,
+    check_outer,
+    fragment_outer_step,
+    outer_init,
+    outer_step_pieces,
+)
 from .participation import Participation, where_replicas
 from .schedule import NEVER, Schedule, make_schedule
 
@@ -200,7 +206,9 @@ def streaming_diloco(
             Equinox module included); gradients flow to its floating-point arrays.
         inner: the inner optimizer (any optax transformation), e.g. AdamW.
         outer: the outer optimizer; default `optax.sgd(0.4, momentum=0.9,
-            nesterov=True)` (docs/paper.md §1.6). Its state is kept per fragment.
+            nesterov=True)` (docs/paper.md §1.6). Its state is kept per fragment
+            and must mirror the parameters (adafactor is refused); a transform over
+            the tree (`clip_by_global_norm`) sees one fragment at a time.
         num_replicas: M >= 1.
         sync_every: H >= 1, inner steps between two sends of one fragment.
         fragments: the partition (see `fragments.py`); None syncs the whole model as
@@ -268,6 +276,10 @@ def streaming_diloco(
         alpha, nonfinite, compressor, error_feedback, fragments, heal, weighting, merge
     )
     schedule = _schedule(sync_every, fragments, num_replicas, overlap, first_send)
+    if fragments is not None:  # else at init, when the parameters are known
+        check_outer(
+            outer, [jax.ShapeDtypeStruct(s, jnp.float32) for s in fragments.shapes]
+        )
     spec = StreamingSpec(
         loss_fn=loss_fn,
         inner=inner,

@@ -199,3 +199,21 @@ def test_rerendering_a_clean_clone_leaves_git_status_clean(tmp_path):
     assert lines[-1].startswith("2/2 notebooks")
     assert "without encryption" not in proc.stdout + proc.stderr
     assert _git("status", "--porcelain", cwd=clone) == ""
+
+
+def test_a_notebook_with_stale_records_names_the_commands(
+    monkeypatch, capsys, tmp_path
+):
+    # Its line said "(...; README)"; it names the commands that check the records
+    # or make them this machine's, for that notebook.
+    def one(path, out_dir, fast, alone):
+        return path.stem, 1.0, 0, {"runs": 12, "stale": 12}
+
+    monkeypatch.setattr(figures, "_run_one", one)
+    paths = [tmp_path / "chaos.py", tmp_path / "fig08.py"]
+    assert figures._run_all(paths, tmp_path, fast=True, jobs=1) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("chaos: ok; 0 of 12 records current (the others:")
+    for name, line in zip(("chaos", "fig08"), lines):
+        assert "python -m sdiloco.paper --verify 3" in line
+        assert f"python -m sdiloco.paper {name} --restamp" in line

@@ -154,3 +154,72 @@ def test_bad_fragments():
         sdiloco.fragments_by_layer(
             _params(6), blocks=lambda p: p["blocks"], layers_per_fragment=4
         )
+
+
+@given(
+    depth=st.sampled_from([1, 2, 3, 5]),
+    k=st.sampled_from([1, 2, 3]),
+    pattern=st.sampled_from(["strided", "sequential"]),
+    head=st.booleans(),
+)
+def test_by_layer_over_a_list_of_layers_labels_each_layer_as_stacked(
+    depth, k, pattern, head
+):
+    # An Equinox model whose layers are a list (eqx.nn.MLP): layer i gets the
+    # fragment block i of a stacked model would get, the rest fragment 0.
+    layers = depth + 1
+    mlp = eqx.nn.MLP(3, 2, 4, depth=depth, key=jax.random.key(depth))
+    model = {"mlp": mlp, **({"head": jnp.zeros(2)} if head else {})}
+    if layers % k:
+        with pytest.raises(ValueError, match="does not divide"):
+            sdiloco.fragments_by_layer(
+                model, blocks=lambda m: m["mlp"].layers, layers_per_fragment=k
+            )
+        return
+    frags = sdiloco.fragments_by_layer(
+        model, blocks=lambda m: m["mlp"].layers, layers_per_fragment=k, pattern=pattern
+    )
+    stacked = sdiloco.fragments_by_layer(
+        {"blocks": jnp.zeros((layers, 1)), **({"head": jnp.zeros(2)} if head else {})},
+        blocks=lambda p: p["blocks"],
+        layers_per_fragment=k,
+        pattern=pattern,
+    )
+    want = stacked.labels[0].tolist()  # the stacked model's label of each layer
+    paths = jax.tree_util.tree_flatten_with_path(eqx.filter(model, eqx.is_array))[0]
+    for (path, _), lab in zip(paths, frags.labels):
+        names = jax.tree_util.keystr(path)
+        if names.startswith("['mlp']"):
+            assert int(lab) == want[int(names.split(".layers[")[1].split("]")[0])]
+        else:
+            assert int(lab) == 0
+    assert frags.num_fragments == stacked.num_fragments
+
+
+def test_from_path_labels_by_a_function_of_the_key_path():
+    mlp = eqx.nn.MLP(3, 2, 4, depth=2, key=jax.random.key(0))
+    seen = []
+
+    def label(path, leaf):
+        seen.append(jax.tree_util.keystr(path))
+        return 0 if path[1].idx == 0 else 1
+
+    frags = sdiloco.fragments_from_path(mlp, label)
+    assert seen == [f".layers[{i}].{n}" for i in range(3) for n in ("weight", "bias")]
+    assert [int(x) for x in frags.labels] == [0, 0, 1, 1, 1, 1]
+    rows = sdiloco.fragments_from_path(  # one label per row of a leaf
+        {"w": jnp.zeros((4, 2))}, lambda path, leaf: np.array([0, 1, 1, 0])
+    )
+    assert rows.labels[0].tolist() == [0, 1, 1, 0]
+    with pytest.raises(ValueError, match="gap"):
+        sdiloco.fragments_from_path(mlp, lambda path, leaf: 2 * path[1].idx)
+
+
+def test_labels_of_the_wrong_structure_point_to_the_helpers():
+    mlp = eqx.nn.MLP(3, 2, 4, depth=2, key=jax.random.key(0))
+    with pytest.raises(ValueError) as e:
+        sdiloco.fragments_from_labels(mlp, [0, 1, 1])
+    message = str(e.value)
+    assert "labels (a list)" in message and "\n" not in message
+    assert "fragments_by_layer" in message and "fragments_from_path" in message
+    assert len(message) < 400  # not a PyTreeDef dump

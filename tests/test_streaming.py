@@ -480,6 +480,34 @@ def test_bad_config(kwargs, match):
         sdiloco.streaming_diloco(toy_loss, inner=optax.sgd(0.1), **kwargs)
 
 
+def test_a_factored_outer_optimizer_is_refused_when_built():
+    # adafactor keeps a row and a column of second moments per leaf (placeholders
+    # of shape (1,) where it does not factor): a fragment's step cannot take its
+    # own elements of that state, and the first sync failed with "add got
+    # incompatible shapes". Refused at construction (with fragments) or at init
+    # (without), in one line naming the first leaf's shapes.
+    params = {"w": jnp.zeros((256, 128)), "b": jnp.zeros(8)}
+    frags = sdiloco.fragments_from_labels(params, {"w": 0, "b": 1})
+
+    def build(outer, fragments=frags):
+        return sdiloco.streaming_diloco(
+            toy_loss, inner=optax.sgd(0.1), outer=outer, fragments=fragments
+        )
+
+    want = r"outer: .* keeps state of shape \(1,\) for a parameter of shape \(8,\)"
+    with pytest.raises(ValueError, match=want) as e:
+        build(optax.adafactor(0.1))
+    assert "\n" not in str(e.value) and "adafactor" in str(e.value)
+    with pytest.raises(ValueError, match="outer: "):
+        build(optax.adafactor(0.1), fragments=None).init(params)
+    for fits in (  # element-wise state, a schedule's count, clipping per fragment
+        optax.adam(1e-3),
+        optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.4, momentum=0.9)),
+        optax.inject_hyperparams(optax.sgd)(learning_rate=0.4, momentum=0.9),
+    ):
+        build(fits).init(params)
+
+
 def test_bad_batch_and_params():
     params = toy_params(jr.key(21))
     alg = sdiloco.streaming_diloco(

@@ -45,6 +45,7 @@ import io
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
@@ -150,6 +151,8 @@ class Board:
             put meanwhile waits for the next beat.
         chunk_bytes: bytes per chunk of a value on the wire (`net.CHUNK`).
         name: who this is, in errors (default `node <node>`).
+        say: where to write one line when opening has to wait for the board (e.g.
+            `print` to stderr); None says nothing.
     """
 
     def __init__(
@@ -162,8 +165,10 @@ class Board:
         mailbox: str | None = None,
         chunk_bytes: int = net.CHUNK,
         name: str | None = None,
+        say: Callable[[str], None] | None = None,
     ):
         net.split_address(address)  # a ValueError naming it
+        self.say = say
         self.address, self.node, self.heartbeat_s = address, node, heartbeat_s
         self.name = f"node {node}" if name is None else name
         self.chunk, self.mailbox = chunk_bytes, mailbox
@@ -249,11 +254,19 @@ class Board:
 
     def _open(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
+        said = False
         while True:
             try:
                 self._conn()
                 return
             except OSError as e:
+                if self.say is not None and not said:  # once, when the wait starts
+                    self.say(
+                        f"{self.name}: waiting up to {timeout_s:g} s for the board "
+                        f"at {self.address} ({_cause(e)}): the job's coordinator "
+                        "(python -m sdiloco coordinate) must be running there"
+                    )
+                    said = True
                 if time.monotonic() > deadline:
                     raise BoardError(
                         f"{self.name} could not connect to the board at "

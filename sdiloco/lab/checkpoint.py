@@ -18,7 +18,9 @@ that holds the same run (e.g. 1 process x 4 devices, or the one-device simulatio
 The directory must be one that every process sees (a shared filesystem or bucket).
 """
 
+import gc
 import json
+import logging
 import os
 import shutil
 import sys
@@ -43,23 +45,68 @@ class CorruptCheckpoint(CheckpointError):
     the same directory may still be intact."""
 
 
-def _quiet_closed_loops() -> None:
-    """After a failed read, tensorstore's pending callbacks reach orbax's closed
-    event loop and each prints `RuntimeError: Event loop is closed` (through
-    `sys.unraisablehook`), later and out of context; drop those, keep the rest.
-    Installed (once) before `Checkpointer.restore` reads anything: the callbacks
-    can come before the read's own error does."""
+def _quiet_failed_reads() -> None:
+    """Drop the echoes of a failed read, printed later and out of context, and keep
+    everything else.
+
+    When one array of a checkpoint cannot be read, orbax's restore raises that
+    error (which `Checkpointer.restore` turns into one line), and every other read
+    still pending fails the same way with nobody to await it. Depending on timing,
+    each is printed through `sys.unraisablehook` ("Exception ignored in: <coroutine
+    ...>"), or by asyncio's logger ("_GatheringFuture exception was never
+    retrieved"), with TensorStore's whole spec (dozens of lines per array); and
+    tensorstore's late callbacks print `RuntimeError: Event loop is closed`.
+    Installed (once) before `Checkpointer.restore` reads anything: the echoes can
+    come before the read's own error does.
+    """
     previous = sys.unraisablehook
-    if getattr(previous, "_sdiloco", False):
-        return
+    if not getattr(previous, "_sdiloco", False):
 
-    def hook(unraisable: Any) -> None:
-        e = unraisable.exc_value
-        if not (isinstance(e, RuntimeError) and str(e) == "Event loop is closed"):
-            previous(unraisable)
+        def hook(unraisable: Any) -> None:
+            if not _is_read_echo(unraisable):
+                previous(unraisable)
 
-    setattr(hook, "_sdiloco", True)
-    sys.unraisablehook = hook
+        setattr(hook, "_sdiloco", True)
+        sys.unraisablehook = hook
+    asyncio_log = logging.getLogger("asyncio")
+    if not any(isinstance(f, _NeverRetrieved) for f in asyncio_log.filters):
+        asyncio_log.addFilter(_NeverRetrieved())
+
+
+_ORBAX = f"{os.sep}orbax{os.sep}checkpoint{os.sep}"
+"""Where orbax's checkpoint code lives (a part of its files' paths)."""
+
+
+def _is_read_echo(unraisable: Any) -> bool:
+    """Whether an unraisable error is an echo of a failed orbax read: a coroutine of
+    orbax's that failed unawaited, or tensorstore's callback on a closed loop."""
+    e = unraisable.exc_value
+    if isinstance(e, RuntimeError) and str(e) == "Event loop is closed":
+        return True
+    code = getattr(unraisable.object, "cr_code", None)  # a coroutine's code
+    return code is not None and _ORBAX in code.co_filename
+
+
+class _NeverRetrieved(logging.Filter):
+    """Drops asyncio's "exception was never retrieved" of a failed read's echo: an
+    error raised in orbax's code, or set by tensorstore (no Python frame) naming
+    its storage; keeps every other record."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if error is None or "never retrieved" not in str(record.msg):
+            return True
+        files, tb = [], error.__traceback__
+        while tb is not None:
+            files.append(tb.tb_frame.f_code.co_filename)
+            tb = tb.tb_next
+        if any(_ORBAX in f for f in files):
+            return False
+        return bool(files) or not any(s in str(error) for s in _TENSORSTORE_WORDS)
+
+
+_TENSORSTORE_WORDS = ("OCDBT", "TensorStore", "tensorstore")
+"""Words of tensorstore's storage errors (the reads a checkpoint restore makes)."""
 
 
 class Checkpointer:
@@ -129,7 +176,7 @@ class Checkpointer:
             CheckpointError: no checkpoint, a partial one, another config, or a state
                 that does not match the template.
         """
-        _quiet_closed_loops()
+        _quiet_failed_reads()
         if step is None:
             step = self.latest_step()
         if step is None or step not in self.manager.all_steps():
@@ -153,11 +200,15 @@ class Checkpointer:
             raise CorruptCheckpoint(
                 f"checkpoint {step_dir}: cannot read its config: {_short(e)}"
             ) from e
-        if saved != self.config:
-            diff = _diff(saved, self.config)
+        diff = _diff(_unnamed(saved), _unnamed(self.config))
+        if diff:
             raise CheckpointError(
                 f"checkpoint {step_dir} was written by another config; differing "
-                f"fields (checkpoint vs this run): {diff}."
+                f"fields (checkpoint vs this run): {diff}. To train this config, "
+                "start afresh in the same directory with --no-resume "
+                "(run(..., resume=False); the old checkpoints are moved to "
+                "checkpoints.old) or give another --out; to continue the old run, "
+                "use its config (config.json in that directory)."
             )
         arrays, static = eqx.partition(template, eqx.is_array)
         differences = _compare(_saved_arrays(step_dir), _arrays(arrays))
@@ -175,9 +226,12 @@ class Checkpointer:
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(**items))
         except Exception as e:  # names, shapes and dtypes matched: damaged files
-            raise CorruptCheckpoint(
+            error = CorruptCheckpoint(
                 f"checkpoint {step_dir}: cannot read its arrays or meta: {_short(e)}"
-            ) from e
+            )
+            del e  # its traceback holds the failed reads' coroutines
+            gc.collect()  # closed now, their echoes dropped: not later, mid-run
+            raise error from None
         return eqx.combine(restored[STATE], static), restored[META]
 
     def close(self) -> None:
@@ -232,6 +286,7 @@ def _short(e: BaseException, limit: int = 160) -> str:
     """The first line of an error, cut to `limit` characters (tensorstore's errors
     carry a whole spec)."""
     text = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    text = text.split(" See full TensorStore details")[0]  # a spec, not a reason
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
@@ -242,6 +297,14 @@ def _name(path: tuple) -> str:
 
 def _spec(shape: Any, dtype: Any) -> str:
     return f"{jnp.dtype(dtype).name}[{','.join(str(d) for d in shape)}]"
+
+
+def _unnamed(config: Any) -> Any:
+    """A config's JSON without its `name`: a label, not part of what is trained
+    (a checkpoint of the same run under another name restores)."""
+    if isinstance(config, dict):
+        return {k: v for k, v in config.items() if k != "name"}
+    return config
 
 
 def _diff(a: Any, b: Any, prefix: str = "") -> list[str]:

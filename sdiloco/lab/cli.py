@@ -68,7 +68,14 @@ def _train(args: argparse.Namespace) -> int:
     from .checkpoint import CheckpointError
 
     try:
-        from .train import Interrupted, NonFiniteLoss, check_data, run, sync_warning
+        from .train import (
+            Interrupted,
+            NonFiniteLoss,
+            check_data,
+            check_out_dir,
+            run,
+            sync_warning,
+        )
     except ModuleNotFoundError as e:  # the core install, without the lab extra
         return _fail(
             f"training needs the lab extra ({e.name} is not installed): "
@@ -80,8 +87,10 @@ def _train(args: argparse.Namespace) -> int:
     failed = _connect(args, cluster)
     if failed is not None:
         return failed
-    try:
-        check_data(cfg)  # before the warning: a bad file is the one line
+    try:  # before the warning: a bad file or --out is the one line
+        if args.out is not None:
+            check_out_dir(args.out)
+        check_data(cfg)
     except ValueError as e:
         return _fail(str(e))
     warning = sync_warning(cfg)
@@ -142,7 +151,14 @@ def _report(history: Any, out: str | None) -> None:
     summary = {"evals": history.evals[-1:], "summary": history.summary}
     print(json.dumps(summary, indent=1))
     s, rows, evals = history.summary, history.rows, history.evals
-    lines = [f"done: {s['steps']} steps in {s['wall_s']:.0f} s"]
+    lines = [f"done: {s['steps']} steps in {s['wall_s']:.0f} s of training"]
+    if s["start_step"] == s["steps"]:  # its checkpoint was its last step
+        lines[0] = (
+            f"already done: {s['steps']} steps (its checkpoint is the last step; "
+            f"nothing trained now), {s['wall_s']:.0f} s of training"
+        )
+    elif s["start_step"]:
+        lines[0] += f" (resumed at step {s['start_step']}; every segment counted)"
     if rows:
         lines.append(f"  final train loss    {rows[-1]['loss/train']:.4f}")
     if evals:
@@ -180,7 +196,7 @@ def _plot_loss(history: Any, out: str) -> str | None:
             "o-",
             label="held-out (global)",
         )
-    ax.set(xlabel="step", ylabel="loss (nats/token)", title=history.config.name)
+    ax.set(xlabel="step", ylabel="loss (nats/token)", title=history.config.title())
     ax.legend()
     fig.savefig(os.path.join(out, "loss.png"), dpi=100, bbox_inches="tight")
     plt.close(fig)
@@ -212,10 +228,12 @@ def _island(args: argparse.Namespace) -> int:
         cfg = _config(args)
         options = _board(args)
         from .elastic import check_min_step_s
-        from .train import check_island
+        from .train import check_island, check_out_dir
 
         check_island(cfg, (args.replica, cfg.method.num_replicas))
         check_min_step_s(args.min_step_s)
+        if args.out is not None:
+            check_out_dir(args.out)
     except ValueError as e:
         return _fail(str(e))
     from ..distributed.board import BoardError
@@ -287,7 +305,13 @@ def _config(args: argparse.Namespace) -> config_lib.RunConfig:
                 f"{flag}={value} with --tokens-per-param={args.tokens_per_param}; "
                 "the budget sets the steps and H (give one or the other)."
             )
-    regime = config_lib.Regime(args.tokens_per_param, args.rounds or 50)
+    if args.rounds is not None and args.rounds < 1:
+        raise ValueError(
+            f"--rounds={args.rounds}; allowed: a positive number of outer rounds "
+            "(default 50)."
+        )
+    rounds = 50 if args.rounds is None else args.rounds
+    regime = config_lib.Regime(args.tokens_per_param, rounds)
     return regime.apply(config_lib.preset(args.preset, **_changes(args)))
 
 
@@ -347,20 +371,25 @@ def _parser() -> argparse.ArgumentParser:
     t = sub.add_parser(
         "train", help="train a preset on the embedded corpus (or --tokens)"
     )
+    paper = [name for name in config_lib.PRESETS if name not in config_lib.DERIVED]
     t.add_argument(
         "--preset",
         default="streaming_overlap_fp4",
-        help=f"the paper's method, one of {sorted(config_lib.PRESETS)} (default: "
-        "Streaming DiLoCo with overlapped FP4 communication)",
+        help=f"the method: the paper's ({', '.join(paper)}) or one after it "
+        f"({', '.join(config_lib.DERIVED)}); default: streaming_overlap_fp4, "
+        "Streaming DiLoCo with overlapped FP4 communication",
     )
     _add_method_flags(t.add_argument_group("model and method"))
     _add_optimizer_flags(t.add_argument_group("optimizers"))
     _add_budget_flags(t.add_argument_group("budget and data"))
     _add_output_flags(t.add_argument_group("outputs"))
     _add_device_flags(t.add_argument_group("devices and processes"))
-    _add_board_flags(t.add_argument_group("elastic islands (one process each)"))
-    t.add_argument("--replica", type=int, help="with --board: this island, 0 .. M-1")
-    t.add_argument(
+    elastic = t.add_argument_group("elastic islands (one process each)")
+    _add_board_flags(elastic)
+    elastic.add_argument(
+        "--replica", type=int, help="with --board: this island, 0 .. M-1"
+    )
+    elastic.add_argument(
         "--min-step-s",
         type=float,
         default=0.0,

@@ -223,6 +223,9 @@ class RunConfig:
     """Everything a training run needs; serialisable to JSON."""
 
     name: str = "run"
+    """A label (the preset's name, e.g. "muloco"); not part of what is trained:
+    record keys and checkpoints leave it out. `title()` adds the knobs that tell
+    runs of one preset apart."""
     model: str = "tiny-s"
     """A model preset name (`model.preset`)."""
     vocab_size: int | None = fields.new_field(None)
@@ -310,6 +313,20 @@ class RunConfig:
                 changes[name] = fields.replace(getattr(self, name), **changes[name])
         return dataclasses.replace(self, **changes)
 
+    def title(self) -> str:
+        """The name with the model and the method's H, M and tau, read from the
+        config as it is (after every change), e.g. "muloco tiny-s M=2 H=10 tau=1":
+        the progress bar's and the loss plot's title."""
+        m = self.method
+        parts = [self.name, self.model, f"M={m.num_replicas}"]
+        for knob, label in (("sync_every", "H"), ("overlap", "tau")):
+            value = getattr(m, knob, None)
+            if isinstance(value, tuple):  # one tau per fragment
+                value = ",".join(map(str, value))
+            if value is not None:
+                parts.append(f"{label}={value}")
+        return " ".join(parts)
+
     def to_dict(self) -> dict:
         """The config as plain JSON-able data; the method carries its `kind`.
 
@@ -369,7 +386,7 @@ def data_parallel_preset(**changes: Any) -> RunConfig:
 
 def diloco_preset(sync_every: int = 30, **changes: Any) -> RunConfig:
     """DiLoCo (P = 1, τ = 0, α = 0, float32 outer gradients); the paper uses H = 30."""
-    return _make(f"diloco_h{sync_every}", DiLoCoConfig(sync_every=sync_every), changes)
+    return _make("diloco", DiLoCoConfig(sync_every=sync_every), changes)
 
 
 def streaming_preset(sync_every: int = 100, **changes: Any) -> RunConfig:
@@ -377,7 +394,7 @@ def streaming_preset(sync_every: int = 100, **changes: Any) -> RunConfig:
     method = StreamingConfig(
         sync_every=sync_every, overlap=0, alpha=0.0, quantizer=None
     )
-    return _make(f"streaming_h{sync_every}", method, changes)
+    return _make("streaming", method, changes)
 
 
 def streaming_overlap_preset(sync_every: int = 100, **changes: Any) -> RunConfig:
@@ -385,7 +402,7 @@ def streaming_overlap_preset(sync_every: int = 100, **changes: Any) -> RunConfig
     method = StreamingConfig(
         sync_every=sync_every, overlap=1, alpha=0.5, quantizer=None
     )
-    return _make(f"streaming_overlap_h{sync_every}", method, changes)
+    return _make("streaming_overlap", method, changes)
 
 
 def streaming_overlap_fp4_preset(sync_every: int = 100, **changes: Any) -> RunConfig:
@@ -393,7 +410,7 @@ def streaming_overlap_fp4_preset(sync_every: int = 100, **changes: Any) -> RunCo
     method = StreamingConfig(
         sync_every=sync_every, overlap=1, alpha=0.5, quantizer="e3m0"
     )
-    return _make(f"streaming_overlap_fp4_h{sync_every}", method, changes)
+    return _make("streaming_overlap_fp4", method, changes)
 
 
 def muloco_preset(sync_every: int = 100, **changes: Any) -> RunConfig:
@@ -411,9 +428,7 @@ def muloco_preset(sync_every: int = 100, **changes: Any) -> RunConfig:
         quantizer=None,
         compressor="int2:row,ef",
     )
-    return _make(
-        f"muloco_h{sync_every}", method, changes, inner=InnerConfig(kind="muon")
-    )
+    return _make("muloco", method, changes, inner=InnerConfig(kind="muon"))
 
 
 def sparseloco_preset(sync_every: int = 100, **changes: Any) -> RunConfig:
@@ -431,7 +446,7 @@ def sparseloco_preset(sync_every: int = 100, **changes: Any) -> RunConfig:
         compressor="topk:0.03/64,int2,ef:0.9",
         outer=OuterConfig(kind="sgd", lr=1.0, momentum=0.0),
     )
-    return _make(f"sparseloco_h{sync_every}", method, changes)
+    return _make("sparseloco", method, changes)
 
 
 def eager_preset(sync_every: int = 100, **changes: Any) -> RunConfig:
@@ -442,7 +457,7 @@ def eager_preset(sync_every: int = 100, **changes: Any) -> RunConfig:
     method = StreamingConfig(
         sync_every=sync_every, overlap=1, alpha=0.5, quantizer="e3m0", merge="eager"
     )
-    return _make(f"eager_h{sync_every}", method, changes)
+    return _make("eager", method, changes)
 
 
 PRESETS: dict[str, Callable[..., RunConfig]] = {

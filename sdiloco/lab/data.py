@@ -107,6 +107,12 @@ def load_tokens(
             raise ValueError(f"{str(path)!r} is not a readable .npy file: {e}") from e
         if tokens.ndim != 1:
             raise ValueError(f"{str(path)!r} has shape {tokens.shape}; expected 1-D.")
+        if tokens.dtype not in TOKEN_DTYPES:
+            raise ValueError(
+                f"Token file {str(path)!r} holds {tokens.dtype} values; allowed: "
+                f"token ids of dtype {', '.join(str(d) for d in TOKEN_DTYPES)} "
+                "(native byte order)."
+            )
         got = _token_dtype(tokens.dtype)
         if want is not None and got != want:
             raise ValueError(f"{str(path)!r} holds {got}, but dtype={want} was asked.")
@@ -250,7 +256,8 @@ def make_replica_iterators(
     if len(windows) < global_batch_size:
         raise ValueError(
             f"{len(windows)} windows of seq_len={seq_len} are fewer than "
-            f"global_batch_size={global_batch_size}."
+            f"global_batch_size={global_batch_size}; allowed: a global batch of at "
+            f"most {len(windows)} sequences (--batch-size), or more tokens."
         )
     return [
         iter(

@@ -32,6 +32,7 @@ import json
 import math
 import os
 import signal
+import sys
 import threading
 import time
 from typing import Any
@@ -149,6 +150,7 @@ def island(
         connect_timeout_s=float(options.connect_timeout_s),
         mailbox=Keys.mail(replica),
         name=f"island {replica}",
+        say=lambda line: print(line, file=sys.stderr, flush=True),
     )
     depot = net.Depot(board.local_host())
     transport = BoardTransport(

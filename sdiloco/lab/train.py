@@ -26,6 +26,7 @@ import os
 import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -79,7 +80,10 @@ class History:
     evals: list[dict] = dataclasses.field(default_factory=list)
     """Held-out losses (nats/token) and bits per byte, per evaluated parameter set."""
     summary: dict = dataclasses.field(default_factory=dict)
-    """Totals: steps, tokens, bits sent (total and peak per step), wall time."""
+    """Totals: steps, tokens, bits sent (total and peak per step), the wall time
+    of the training loop over every segment of a resumed run (`wall_s`), and the
+    step this call started from (`start_step`: 0 fresh, the checkpoint's step when
+    resumed; equal to `steps` when the run was already done)."""
     state: Any = None
     """The final state (not serialised)."""
 
@@ -281,6 +285,8 @@ def run(
         NonFiniteLoss: with `nonfinite_loss="stop"`.
     """
     c = config
+    if out_dir is not None:
+        check_out_dir(out_dir)
     place = _placement(
         c, mesh, devices_per_replica, fsdp, courier, transport, nonfinite_loss
     )
@@ -479,6 +485,35 @@ def sync_warning(config: RunConfig) -> str | None:
     )
 
 
+def check_out_dir(out_dir: str | os.PathLike) -> None:
+    """`out_dir` can hold a run: an existing directory, or a path whose nearest
+    existing parent is a directory, where this process can write (tried with a
+    temporary file, removed at once); nothing is created.
+
+    Raises:
+        ValueError: naming the path and why not (a file, a path through a file, a
+            read-only file system, no permission).
+    """
+    path = os.path.abspath(os.fspath(out_dir))
+    where = path
+    while not os.path.exists(where):  # the nearest existing ancestor
+        where = os.path.dirname(where)
+    why = None
+    if not os.path.isdir(where):
+        why = "is a file" if where == path else f"lies under the file {where!r}"
+    else:
+        try:
+            with tempfile.TemporaryFile(dir=where):
+                pass
+        except OSError as e:
+            why = f"cannot be written ({where}: {e.strerror})"
+    if why is not None:
+        raise ValueError(
+            f"out_dir={os.fspath(out_dir)!r} (--out) {why}; allowed: a directory, "
+            "new or existing, that this process can write."
+        )
+
+
 def _trace(c: RunConfig) -> chaos.Trace | None:
     """The run's seeded failure trace (`RunConfig.failures`), or None."""
     if c.failures is None:
@@ -647,6 +682,8 @@ class _Log:
         self.tokens_per_step = r.config.data.global_batch_size * r.model_config.seq_len
         self.pending: list[tuple[int, dict]] = []
         self.stop_nonfinite = False
+        self.t0: float | None = None  # while the loop runs: when it started
+        self.first = 0  # the step this call started from (a resumed run's > 0)
 
     def start(self, step: int) -> None:
         c = self.r.config
@@ -654,11 +691,11 @@ class _Log:
             total=c.steps,
             initial=step,
             disable=not self.progress,
-            desc=c.name,
+            desc=c.title(),
             dynamic_ncols=True,
         )
         self.t0 = self.tick = time.perf_counter()
-        self.tick_step = step
+        self.tick_step = self.first = step
 
     def record(self, step: int, metrics: dict, flush: bool) -> None:
         """Keep the step's metrics on device; pull them to the host when `flush`."""
@@ -730,13 +767,22 @@ class _Log:
         )
 
     def meta(self) -> dict:
-        """What a checkpoint keeps of the host side."""
+        """What a checkpoint keeps of the host side: the totals so far, the wall
+        time of every segment of the run up to this checkpoint included."""
         h = self.history
-        return {"rows": h.rows, "evals": h.evals, "totals": self.totals}
+        totals = {**self.totals, "wall_s": self.wall_s()}
+        return {"rows": h.rows, "evals": h.evals, "totals": totals}
+
+    def wall_s(self) -> float:
+        """Seconds the run has trained, over every segment (a resumed run's
+        checkpoint carries the earlier ones)."""
+        running = 0.0 if self.t0 is None else time.perf_counter() - self.t0
+        return self.totals["wall_s"] + running
 
     def stop(self) -> None:
         self.bar.close()
-        self.totals["wall_s"] += time.perf_counter() - self.t0
+        self.totals["wall_s"] = self.wall_s()
+        self.t0 = None
 
     def close(self) -> None:
         """Close the bar, if it was started (idempotent)."""
@@ -750,7 +796,8 @@ class _Log:
             "tokens": last * self.tokens_per_step,
             "bits_total": self.totals["bits"],
             "peak_bits_per_step": self.totals["peak_bits"],
-            "wall_s": self.totals["wall_s"],
+            "wall_s": self.wall_s(),
+            "start_step": self.first,
             "num_params": r.model_config.num_params(),
             "unigram_entropy_heldout": data_lib.unigram_entropy(r.heldout_tokens),
         }
@@ -778,10 +825,45 @@ def _tokens(
     raw = f" (raw, read as {d.token_dtype}: --token-dtype)"
     source = f"token file {path!r}" + ("" if npy else raw)
     data_lib.check_token_ids(tokens, mc.vocab_size, source)
+    total = len(tokens)
     for _ in range(1 + d.validation):  # tuning: split the training part again
         split = int(len(tokens) * (1 - d.heldout_fraction))
         tokens, evaluation = tokens[:split], tokens[split:]
+    _check_windows(source, total, tokens, evaluation, mc.seq_len, d.global_batch_size)
     return tokens, evaluation
+
+
+def _check_windows(
+    source: str,
+    total: int,
+    train: np.ndarray,
+    evaluation: np.ndarray,
+    seq_len: int,
+    batch: int,
+) -> None:
+    """A token file long enough for one global batch of training windows and one
+    evaluation window (before any compute), or one line saying what to change."""
+    windows = max(0, (len(train) - 1) // seq_len)
+    if len(evaluation) < seq_len + 1 or windows < batch:
+        held = len(evaluation)
+        raise ValueError(
+            f"{source} has {total} tokens: {len(train)} to train on "
+            f"({windows} windows of seq_len={seq_len}) and {held} held out (the "
+            f"last part); a run needs {batch} training windows (the global batch) "
+            f"and {seq_len + 1} held-out tokens; allowed: a file of at least "
+            f"{_tokens_needed(total, len(train), held, seq_len, batch):,} tokens, or "
+            "a smaller --batch-size."
+        )
+
+
+def _tokens_needed(total: int, train: int, held: int, seq_len: int, batch: int):
+    """The smallest file length with `batch` training windows and one held-out
+    window, at the split fractions this file gave (an estimate from its sizes)."""
+    need_train = batch * seq_len + 1
+    need_held = seq_len + 1
+    train_share = train / total if total and train else 0.9
+    held_share = held / total if total and held else 0.1
+    return max(math.ceil(need_train / train_share), math.ceil(need_held / held_share))
 
 
 def check_data(config: RunConfig) -> None:
@@ -844,7 +926,9 @@ def evaluator(r: Run, c: RunConfig, place: Placement):
             per_window = per_window[:count].astype(np.float64)
             loss = float(per_window.mean())
             out[f"eval/{which}"] = loss
-            out[f"eval_se/{which}"] = float(per_window.std(ddof=1) / math.sqrt(count))
+            # One window has no spread to estimate: NaN, without NumPy's warning.
+            spread = per_window.std(ddof=1) if count > 1 else math.nan
+            out[f"eval_se/{which}"] = float(spread / math.sqrt(count))
             out[f"bpb/{which}"] = loss / math.log(2)
         return out
 

@@ -485,6 +485,16 @@ def _failure_log(name: str) -> pathlib.Path:
     return repo_root() / "runs" / "failed" / f"{name}.txt"
 
 
+def _stale_hint(name: str) -> str:
+    """What a notebook's line says of records made by other numerics or another
+    machine type: the commands that check them, or make them this machine's."""
+    return (
+        "(the others: other numerics or machine type; check a sample with "
+        "python -m sdiloco.paper --verify 3, or make them this machine's with "
+        f"python -m sdiloco.paper {name} --restamp)"
+    )
+
+
 def _run_all(
     paths: list, out_dir: pathlib.Path, fast: bool, jobs: int, child: bool = False
 ) -> int:
@@ -503,7 +513,7 @@ def _run_all(
                 current = runs["runs"] - runs.get("stale", 0)
                 status += f"; {current} of {runs['runs']} records current"
                 if current < runs["runs"]:
-                    status += " (the others: other numerics or machine type; README)"
+                    status += " " + _stale_hint(name)
             # A child printed its own line, unless it died before it could (a signal,
             # or an error outside the notebook: exit codes other than 0 and 1).
             if not runs.get("child") or rc not in (0, 1):
