@@ -219,15 +219,113 @@ _TREE = {"w": jnp.ones((4, 3)), "b": jnp.full((3,), 0.5)}
 def test_default_optimizers_are_todays_transformations_bitwise():
     # The records are verified bitwise: the defaults must build exactly these.
     inner = config_lib.InnerConfig()
+    schedule = optax.warmup_cosine_decay_schedule(0.0, 3e-3, 19, 20, 0.05 * 3e-3)
     today = optax.chain(
         optax.clip_by_global_norm(1.0),
-        optax.adamw(inner.schedule(20), b1=0.9, b2=0.99, eps=1e-8, weight_decay=0.1),
+        optax.adamw(schedule, b1=0.9, b2=0.99, eps=1e-8, weight_decay=0.1),
     )
     assert _equal(_updates(inner.build(20), _TREE), _updates(today, _TREE))
     today = optax.sgd(0.4, momentum=0.9, nesterov=True)
     assert _equal(
         _updates(config_lib.OuterConfig().build(), _TREE), _updates(today, _TREE)
     )
+
+
+def _jitted_updates(opt, params, steps):
+    """`steps` updates of `opt` in one jitted scan (as the training step runs
+    them: compiled, the hyperparameters constants or values of the state)."""
+
+    def body(carry, t):
+        params, state = carry
+        updates, state = opt.update(_grads(params, t), state, params)
+        return (optax.apply_updates(params, updates), state), updates
+
+    with jax.numpy_dtype_promotion("standard"):
+        run = jax.jit(lambda p: jax.lax.scan(body, (p, opt.init(p)), jnp.arange(steps)))
+        return run(params)[1]
+
+
+def _model_params():
+    """The tiny lab Transformer's arrays (Muon needs its stacked matrices)."""
+    model = model_lib.Transformer(model_lib.preset("tiny-xxxs"), key=jr.key(0))
+    return eqx.filter(model, eqx.is_array)
+
+
+def _muon(schedule):
+    return optax.contrib.muon(
+        schedule,
+        eps=1e-8,
+        weight_decay=0.1,
+        adam_b1=0.9,
+        adam_b2=0.99,
+        adam_weight_decay=0.1,
+        muon_weight_dimension_numbers=config_lib.muon_dimensions,
+        consistent_rms=0.2,
+    )
+
+
+@pytest.mark.two_programs  # XLA's defaults round both formulations alike
+def test_learning_rates_and_momentum_as_values_compute_optax_numbers_bitwise():
+    # The inner peak learning rate, the outer learning rate and momentum are values
+    # of the optimizer state (one program for every trial of a sweep); the numbers
+    # stay those of optax's transforms with constants, through warmup and decay.
+    # One test (one child process): AdamW and Muon, two learning rates ((0.05 lr)
+    # / lr is not 0.05 in float64 for 1.7e-3), and the outer kinds.
+    params = _model_params()
+    for kind, lr in [("adamw", 3e-3), ("adamw", 1.7e-3), ("muon", 1.7e-3)]:
+        schedule = optax.warmup_cosine_decay_schedule(0.0, lr, 4, 10, 0.05 * lr)
+        plain = (
+            optax.adamw(schedule, b1=0.9, b2=0.99, eps=1e-8, weight_decay=0.1)
+            if kind == "adamw"
+            else _muon(schedule)
+        )
+        reference = optax.chain(optax.clip_by_global_norm(1.0), plain)
+        inner = config_lib.InnerConfig(lr=lr, warmup_steps=4, kind=kind).build(10)
+        got = _jitted_updates(inner, params, 12)
+        assert _equal(got, _jitted_updates(reference, params, 12)), (kind, lr)
+    for outer, reference in [
+        (dict(lr=0.7, momentum=0.6), optax.sgd(0.7, momentum=0.6, nesterov=True)),
+        (dict(kind="sgd", lr=0.9), optax.sgd(0.9)),
+        (dict(kind="adam", lr=0.01), optax.adam(0.01)),
+    ]:
+        built = config_lib.OuterConfig(**outer).build()
+        got = _jitted_updates(built, _TREE, 5)
+        assert _equal(got, _jitted_updates(reference, _TREE, 5)), outer
+
+
+def test_trials_of_other_learning_rates_share_one_compiled_step():
+    # A sweep's trials that differ in the inner or outer learning rate or the outer
+    # momentum lower to the same program (so XLA compiles it once: its cache is
+    # keyed by the program); another warmup is another program.
+    from sdiloco.lab import train
+    from sdiloco.lab.cluster import Placement
+
+    base = config_lib.preset(
+        "streaming_overlap_fp4", model="tiny-xxxs", steps=20
+    ).replace(inner={"warmup_fraction": 0.25})
+
+    def program(**changes):
+        c = base.replace(**changes)
+        r = train.build(c)
+        inputs = [r.init_state()]
+        inputs.append(Placement.of(c.method.num_replicas).batch(r.iterators()))
+        if c.failures is not None:  # a failure trace: its row is the step's input
+            inputs.append(train._participation(train._trace(c), 5))
+        with jax.numpy_dtype_promotion("standard"):
+            return jax.jit(r.algorithm.step).lower(*inputs).as_text()
+
+    first = program(inner={"lr": 1e-3})
+    for trial in (
+        dict(inner={"lr": 4e-3}),
+        dict(method={"outer": {"lr": 0.8, "momentum": 0.5}}),
+    ):
+        assert program(**trial) == first, trial
+    assert program(inner={"lr": 1e-3, "warmup_fraction": 0.5}) != first
+    # A failure trace is the step's input: another trace is the same program (a
+    # replica's reset optimizer state, built in the step, holds the initial lr).
+    chaos = program(inner={"lr": 1e-3}, failures={"failures": 1.0, "seed": 1})
+    other = program(inner={"lr": 1e-3}, failures={"failures": 5.0, "seed": 2})
+    assert chaos == other != first
 
 
 @pytest.mark.parametrize(

@@ -117,22 +117,54 @@ class InnerConfig:
             return self.warmup_steps
         return max(1, round(self.warmup_fraction * total_steps))
 
-    def schedule(self, total_steps: int) -> optax.Schedule:
-        """Warmup then cosine decay to `min_lr_ratio * lr` at `total_steps`."""
+    def schedule(self, total_steps: int, peak: Any = None) -> optax.Schedule:
+        """Warmup then cosine decay to `min_lr_ratio * lr` at `total_steps`.
+
+        `optax.warmup_cosine_decay_schedule`, built from the same two optax pieces
+        so that its peak may be `peak`, a traced value (`build` passes the one the
+        optimizer state carries); default `lr`. The cosine's floor, `end / peak`,
+        is computed from `lr` as optax computes it: the numbers are optax's, bitwise.
+        """
         warmup = min(self.warmup(total_steps), max(total_steps - 1, 0))
-        return optax.warmup_cosine_decay_schedule(
-            init_value=0.0,
-            peak_value=self.lr,
-            warmup_steps=warmup,
-            decay_steps=max(total_steps, warmup + 1),
-            end_value=self.min_lr_ratio * self.lr,
+        decay_steps = max(total_steps, warmup + 1)
+        end = self.min_lr_ratio * self.lr
+        return optax.join_schedules(
+            [
+                optax.linear_schedule(0.0, self.lr if peak is None else peak, warmup),
+                optax.cosine_decay_schedule(
+                    self.lr if peak is None else peak,
+                    decay_steps - warmup,
+                    alpha=end / self.lr,
+                ),
+            ],
+            [warmup],
         )
 
     def build(self, total_steps: int) -> optax.GradientTransformation:
-        """The optax transformation for a run of `total_steps` inner steps."""
+        """The optax transformation for a run of `total_steps` inner steps.
+
+        The peak learning rate is a value of the optimizer state, not a constant of
+        the program (`optax.inject_hyperparams`; `hyperparams["learning_rate"]`):
+        runs that differ only in it (the trials of a learning-rate sweep) compile
+        one program. The warmup and the schedule's length stay constants, and so
+        does the initial value where the step itself initialises a state (a
+        replica that comes back without a live peer, in a run with `failures`):
+        such runs share a program across failure traces, not learning rates.
+        """
+        adamw = optax.inject_hyperparams(
+            lambda learning_rate: self._optimizer(
+                self.schedule(total_steps, peak=learning_rate)
+            )
+        )(learning_rate=self.lr)
+        if self.clip_norm is None:
+            return adamw
+        return optax.chain(optax.clip_by_global_norm(self.clip_norm), adamw)
+
+    def _optimizer(self, schedule: optax.Schedule) -> optax.GradientTransformation:
+        """AdamW, or Muon, on `schedule`."""
         if self.kind == "muon":
-            adamw = optax.contrib.muon(
-                self.schedule(total_steps),
+            return optax.contrib.muon(
+                schedule,
                 eps=self.eps,
                 weight_decay=self.weight_decay,
                 adam_b1=self.b1,
@@ -141,17 +173,13 @@ class InnerConfig:
                 muon_weight_dimension_numbers=muon_dimensions,
                 consistent_rms=0.2,
             )
-        else:
-            adamw = optax.adamw(
-                self.schedule(total_steps),
-                b1=self.b1,
-                b2=self.b2,
-                eps=self.eps,
-                weight_decay=self.weight_decay,
-            )
-        if self.clip_norm is None:
-            return adamw
-        return optax.chain(optax.clip_by_global_norm(self.clip_norm), adamw)
+        return optax.adamw(
+            schedule,
+            b1=self.b1,
+            b2=self.b2,
+            eps=self.eps,
+            weight_decay=self.weight_decay,
+        )
 
 
 def muon_dimensions(params: Any) -> Any:

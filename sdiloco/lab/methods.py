@@ -86,19 +86,23 @@ class OuterConfig:
         fields.positive("OuterConfig.eps", self.eps)
 
     def build(self) -> optax.GradientTransformation:
-        """The optax transformation; "nesterov" without warmup is exactly
-        `optax.sgd(lr, momentum, nesterov)`."""
+        """The optax transformation: `optax.sgd(lr, momentum, nesterov)` ("nesterov"),
+        `optax.sgd(lr)` or `optax.adam(lr, b1, b2, eps)`, with the learning rate and
+        the momentum (not Adam's decays) values of its state (`optax.inject_hyperparams`), not constants
+        of the program: runs that differ only in them (the trials of a sweep)
+        compile one program. The numbers are those of the plain transforms."""
         if self.kind == "adam":
-            return optax.adam(self.lr, b1=self.b1, b2=self.b2, eps=self.eps)
-        if self.kind == "sgd":
-            return optax.sgd(self.lr)
+            static = ("b1", "b2", "eps")
+            return optax.inject_hyperparams(optax.adam, static_args=static)(
+                learning_rate=self.lr, b1=self.b1, b2=self.b2, eps=self.eps
+            )
+        if self.kind == "sgd" or not self.momentum:
+            return optax.inject_hyperparams(optax.sgd)(learning_rate=self.lr)
+        momentum: Any = self.momentum
         if self.momentum_warmup:
             momentum = optax.linear_schedule(0.0, self.momentum, self.momentum_warmup)
-            return optax.inject_hyperparams(optax.sgd)(
-                learning_rate=self.lr, momentum=momentum, nesterov=self.nesterov
-            )
-        return optax.sgd(
-            self.lr, momentum=self.momentum or None, nesterov=self.nesterov
+        return optax.inject_hyperparams(optax.sgd, static_args=("nesterov",))(
+            learning_rate=self.lr, momentum=momentum, nesterov=self.nesterov
         )
 
 

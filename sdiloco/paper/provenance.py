@@ -10,7 +10,8 @@ Every run record written by `experiments.run_one` carries `"code"` (`code()`):
 
 **The numerics fingerprint.** `probes()` trains or applies a few fixed tiny programs and
 hashes what they compute (`PROBES`): Streaming DiLoCo with overlapped FP4, Data-Parallel,
-DiLoCo with M = 4 and one replica absent for three steps then healed, and every
+DiLoCo with M = 4 and one replica absent for three steps then healed, MuLoCo (Muon
+inside, 2-bit outer gradients with error feedback), Eager's merge, and every
 compressor format and stage on one fixed array. `fingerprint()` is the hash of the
 first two, kept as it was computed before the other probes existed, so that every
 record made since compares. Two pieces of code with equal probes compute the same
@@ -59,7 +60,7 @@ FINGERPRINT_ENV = "SDILOCO_FINGERPRINT"
 JSON), measured once by `python -m sdiloco.paper` and read by the notebooks it runs."""
 
 PROBES: tuple[str, ...] = ("streaming_fp4", "data_parallel", "diloco_m4_absent")
-PROBES += ("compressors",)
+PROBES += ("muloco", "eager", "compressors")
 """The probes, in the order they are hashed; the first two make `fingerprint()`."""
 
 ISA_FLAGS: tuple[str, ...] = (
@@ -103,6 +104,10 @@ def _lab_probes() -> dict[str, RunConfig]:
             "streaming_overlap_fp4", tuned=False, steps=6, sync_every=2, **common
         ),
         "data_parallel": preset("data_parallel", tuned=False, steps=4, **common),
+        # Muon inside with 2-bit error-feedback outer gradients; the Eager merge.
+        # Added later: a record made before carries neither, and is still current.
+        "muloco": preset("muloco", tuned=False, steps=6, sync_every=2, **common),
+        "eager": preset("eager", tuned=False, steps=6, sync_every=2, **common),
         "diloco_m4_absent": preset(
             "diloco",
             tuned=False,
