@@ -13,5 +13,10 @@ Nothing here imports JAX. One concept per module:
   names of `workloads` and `methods`, so `import sdiloco.sim.utilization as ut` is the
   whole simulator;
 - `memory`: counts the bytes each method keeps per replica (the paper's §2.5);
+- `chaos`: seeded failure and straggler traces per step, and their wall-clock cost;
+- `virtual_clock` and `goodput`: learners on a virtual clock, failing, straggling and
+  healing on one shared trace, and the methods as policies on it (Data-Parallel,
+  elastic Data-Parallel, DiLoCo, Streaming DiLoCo, Decoupled DiLoCo): goodput and
+  where the rest of the time went;
 - `checks`: the argument checks they share.
 """
