@@ -182,6 +182,22 @@ def test_bad_optimizer_compressor_or_merge_is_one_line_and_exit_2(flags, field, 
     assert err.startswith("error: ") and field in err and err.count("\n") == 1, err
 
 
+def _config_of(flags, monkeypatch, tmp_path):
+    """The config `train FLAGS --out DIR` would run (the run itself stubbed out)."""
+    from sdiloco.lab import train
+    from sdiloco.lab.cli import main
+
+    seen = {}
+
+    def fake_run(cfg, out, **kwargs):
+        seen["cfg"] = cfg
+        raise train.Interrupted(1, signal.SIGINT, out)
+
+    monkeypatch.setattr(train, "run", fake_run)
+    assert main(["train", *flags, "--out", str(tmp_path / "out")]) == 130
+    return seen["cfg"]
+
+
 @pytest.mark.parametrize(
     "flags, expect",
     [
@@ -225,19 +241,7 @@ def test_bad_optimizer_compressor_or_merge_is_one_line_and_exit_2(flags, field, 
 def test_optimizer_compressor_and_merge_flags_reach_the_config(
     flags, expect, monkeypatch, tmp_path
 ):
-    from sdiloco.lab import train
-    from sdiloco.lab.cli import main
-
-    seen = {}
-
-    def fake_run(cfg, out, **kwargs):
-        seen["cfg"] = cfg
-        raise train.Interrupted(1, signal.SIGINT, out)
-
-    monkeypatch.setattr(train, "run", fake_run)
-    out = str(tmp_path / "out")
-    assert main(["train", "--model", "tiny-xxxs", "--out", out, *flags]) == 130
-    cfg = seen["cfg"]
+    cfg = _config_of(["--model", "tiny-xxxs", *flags], monkeypatch, tmp_path)
     for path, value in expect.items():
         obj = cfg if path.startswith("inner") else cfg.method
         for part in path.split("."):
@@ -363,20 +367,10 @@ def test_an_out_on_a_read_only_file_system_is_one_line_and_exit_2(tmp_path):
 def test_the_runs_name_is_its_preset_and_its_title_its_knobs(monkeypatch, tmp_path):
     # Defect 3: --sync-every reaches the title (bar, loss.png); the name stays the
     # preset's ("h100" read like a GPU and went stale when H changed).
-    from sdiloco.lab import config as config_lib, train
-    from sdiloco.lab.cli import main
+    from sdiloco.lab import config as config_lib
 
-    seen = {}
-
-    def fake_run(cfg, out, **kwargs):
-        seen["cfg"] = cfg
-        raise train.Interrupted(1, signal.SIGINT, out)
-
-    monkeypatch.setattr(train, "run", fake_run)
-    out = str(tmp_path / "out")
     flags = ["--preset", "muloco", "--sync-every", "10", "--model", "tiny-xxs"]
-    assert main(["train", *flags, "--out", out]) == 130
-    cfg = seen["cfg"]
+    cfg = _config_of(flags, monkeypatch, tmp_path)
     assert cfg.name == "muloco" and cfg.method.sync_every == 10
     assert cfg.title() == "muloco tiny-xxs M=2 H=10 tau=1"
     assert config_lib.preset("muloco", sync_every=30).title().endswith("H=30 tau=1")
