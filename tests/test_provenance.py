@@ -216,12 +216,51 @@ def test_sample_takes_a_headline_record_and_rotates_with_the_seed(records, monke
         assert chosen[0][1] in headline  # a current headline record, first
         notebooks = [nb for nb, *_ in chosen[1:]]
         assert len(set(notebooks)) == 3  # one per notebook
-        for nb, key, config, _ in chosen[1:]:
-            assert key in index[nb] and config.steps <= 10  # among the 4 cheapest
+        assert all(key in index[nb] for nb, key, *_ in chosen[1:])
     assert len({tuple(k for _, k, *_ in chosen) for chosen in samples}) > 1
+    # across seeds, the dearest records are drawn too (not only the cheapest four)
+    steps = {config.steps for chosen in samples for _, _, config, _ in chosen[1:]}
+    assert 12 in steps
     # nothing current: nothing sampled (--verify re-trains a headline cell)
     monkeypatch.setattr(provenance, "_measure", lambda: ("d" * 16, {}))
     assert verify.sample(records, index, 4, 0) == []
+
+
+def test_prefix_steps_fit_the_budget_in_whole_logging_periods():
+    c = _tiny(steps=40, log_every=3)
+    assert verify.prefix_steps(c, params=10, budget=400) == 40  # the whole run fits
+    assert verify.prefix_steps(c, params=10, budget=100) == 9  # 3 periods of 3
+    assert verify.prefix_steps(c, params=10, budget=5) == 3  # at least one period
+    headline = ex.setup("streaming_overlap_fp4", regime=ex.REGIME)
+    params = verify._params(headline)
+    assert verify.prefix_steps(headline, params) == headline.steps  # within BUDGET
+    tiny_s = ex.setup("streaming_overlap_fp4", regime=ex.REGIME, model="tiny-s")
+    checked = verify.prefix_steps(tiny_s, verify._params(tiny_s))
+    assert 0 < checked < tiny_s.steps and checked % tiny_s.log_every == 0
+
+
+@pytest.mark.integration
+def test_a_dear_record_is_checked_on_its_first_steps_within_the_budget(records):
+    # A record dearer than the budget: the prefix that fits is retrained and every
+    # metric row and evaluation recorded up to there compared bitwise.
+    config = _tiny(steps=12, eval_every=4, log_every=2)
+    ex.run_one("probe", config, seed=2)
+    (path,) = records.glob("*.json")
+    record = json.loads(path.read_text())
+    index = {"nb": [path.stem]}
+    budget = 7 * verify._params(ex.with_seed(config, 2))  # 3 periods: 6 steps
+    (row,) = verify.verify(records, index, 1, seed=0, budget=budget)
+    assert row["passed"] and row["checked_steps"] == 6 and row["steps"] == 12
+    changed = json.loads(json.dumps(record))
+    changed["rows"][1]["loss/train"] += 1e-7  # step 4: inside the prefix
+    path.write_text(json.dumps(changed))
+    (row,) = verify.verify(records, index, 1, seed=0, budget=budget)
+    assert not row["passed"] and row["why"] == "training metrics differ from step 4"
+    changed = json.loads(json.dumps(record))
+    changed["rows"][-1]["loss/train"] += 1e-7  # step 12: beyond it, not checked
+    path.write_text(json.dumps(changed))
+    (row,) = verify.verify(records, index, 1, seed=0, budget=budget)
+    assert row["passed"]
 
 
 @pytest.mark.integration
@@ -261,11 +300,16 @@ def test_verify_says_when_it_checked_fewer_records_than_asked(
 ):
     (tmp_path / "records.json").write_text("{}")
     monkeypatch.setattr(provenance, "_measure", lambda: ("a" * 16, {}))
-    row = {"notebook": "nb", "key": "k", "model": "tiny-xs", "steps": 4}
-    row |= {"equal": True, "max_rel_gap": 0.0, "why": "", "passed": True}
+    row = {"notebook": "nb", "key": "k", "model": "tiny-s", "steps": 4000}
+    row |= {"checked_steps": 400, "equal": True, "max_rel_gap": 0.0, "why": ""}
+    row["passed"] = True
     monkeypatch.setattr(verify, "verify", lambda records, index, k, seed: [row])
     assert figures.main(["--verify", "3", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out.splitlines()
+    assert out[-2] == (
+        "nb: k (tiny-s, 4000 steps, the first 400 within the budget): bitwise equal "
+        "(largest relative gap 0)"
+    )
     assert out[-1] == (
         "checked 1 of the 3 records asked for: no more notebooks have records "
         "current on this machine"

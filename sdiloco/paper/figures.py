@@ -273,9 +273,11 @@ def _verify_flags(p: Any) -> None:
         type=int,
         metavar="K",
         help="retrain K records made by this code's numerics (a headline run, then one "
-        "per notebook, sampled with a seed that changes with the commit) and check them "
-        "bitwise; with no current headline record, re-train a headline cell and check "
-        "its seed-paired gap against the published interval; exit 1 if one fails",
+        "per notebook, sampled over the whole cost range with a seed that changes with "
+        "the commit; a dear one for its first steps within a budget of about a tiny-xs "
+        "run) and check them bitwise; with no current headline record, re-train a "
+        "headline cell and check its seed-paired gap against the published interval; "
+        "exit 1 if one fails",
     )
     p.add_argument(
         "--verify-seed",
@@ -424,6 +426,8 @@ def _verify(k: int, seed: int | None, cell: bool, out_dir: pathlib.Path) -> int:
         verdict = "bitwise equal" if row["equal"] else f"FAILED: {row['why']}"
         verdict += f" (largest relative gap {row['max_rel_gap']:.2g})"
         what = f"{row['model']}, {row['steps']} steps"
+        if row["checked_steps"] < row["steps"]:
+            what += f", the first {row['checked_steps']} within the budget"
         print(f"{row['notebook']}: {row['key']} ({what}): {verdict}", flush=True)
     if len(rows) < k:  # `verify.sample`: one record a notebook, past the headline
         print(
