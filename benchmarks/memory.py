@@ -51,20 +51,23 @@ def analytic(
 ) -> dict[str, int]:
     """The bytes each field should hold, counted from N (float32 parameters).
 
-    The inner optimizer is the presets' `clip_by_global_norm → adamw(schedule)`: two
-    moments per parameter and two int32 counters (Adam's and the schedule's) per
-    replica. The outer optimizer, SGD with Nesterov momentum, keeps one momentum per
-    parameter and no counter. The in-flight buffer holds `inflight_values` values
-    (`num_slots × slot_size` of the run's layout; default N, one whole-model slot).
+    The inner optimizer is the presets' `clip_by_global_norm → adamw(schedule)`
+    with its peak learning rate a value of the state (`optax.inject_hyperparams`):
+    two moments per parameter, three int32 counters (Adam's, the schedule's and the
+    injection's) and the float32 learning rate per replica. The outer optimizer, SGD
+    with Nesterov momentum, keeps one momentum per parameter and, per fragment, the
+    injection's counter, learning rate and momentum. The in-flight buffer holds
+    `inflight_values` values (`num_slots × slot_size` of the run's layout; default
+    N, one whole-model slot).
     """
     n = num_params * bytes_per_value
-    inner = 2 * n + 2 * 4
+    inner = 2 * n + 3 * 4 + 4
     if method == "data_parallel":
         return {"step": 4, "global_params": n, "inner_state": inner}
     return {
         "step": 4,
         "global_params": n,
-        "outer_state": n,
+        "outer_state": n + num_fragments * 3 * 4,
         "replica_params": replicas * n,
         "inner_state": replicas * inner,
         # K slots of the largest fragment, float32 (or wider) outer gradients:
