@@ -87,7 +87,7 @@ def sample(
     """Up to `k` current records as `(notebook, key, config, record)`: a headline
     record first (if one is current), then one per notebook (module docstring)."""
     rng = random.Random(seed)
-    current: dict[str, list[tuple[int, str, RunConfig, dict]]] = {}
+    current: dict[str, list[tuple[str, RunConfig, dict]]] = {}
     for notebook in sorted(index):
         for key in sorted(set(index[notebook])):
             loaded = _load(records, key)
