@@ -276,10 +276,7 @@ def streaming_diloco(
         alpha, nonfinite, compressor, error_feedback, fragments, heal, weighting, merge
     )
     schedule = _schedule(sync_every, fragments, num_replicas, overlap, first_send)
-    if fragments is not None:  # else at init, when the parameters are known
-        check_outer(
-            outer, [jax.ShapeDtypeStruct(s, jnp.float32) for s in fragments.shapes]
-        )
+    _check_outer(outer, fragments)
     spec = StreamingSpec(
         loss_fn=loss_fn,
         inner=inner,
@@ -860,6 +857,16 @@ def merge_arrivals(
     replicas = eqx.combine(jax.tree.unflatten(r_def, r_leaves), static)
     merge_state = _maybe_tree(state.merge_state, s_leaves)
     return state._replace(replica_params=replicas, merge_state=merge_state), merging
+
+
+def _check_outer(
+    outer: optax.GradientTransformation, fragments: Fragments | None
+) -> None:
+    """`outer.check_outer` on the fragments' shapes where they are given (else
+    `init` checks it, when the parameters are known)."""
+    if fragments is not None:
+        shapes = [jax.ShapeDtypeStruct(s, jnp.float32) for s in fragments.shapes]
+        check_outer(outer, shapes)
 
 
 def _check_options(

@@ -97,16 +97,7 @@ def _train(args: argparse.Namespace) -> int:
     if warning is not None and cluster.is_primary():
         print(warning, file=sys.stderr, flush=True)
     try:
-        history = run(
-            cfg,
-            args.out,
-            devices_per_replica=args.devices_per_replica,
-            fsdp=args.fsdp,
-            courier=args.courier,
-            resume=not args.no_resume,
-            progress=not args.no_progress,
-            nonfinite_loss=args.nonfinite_loss,
-        )
+        history = run(cfg, args.out, **_run_options(args))
     except (CheckpointError, ValueError) as e:  # another run in --out; a bad layout
         return _fail(str(e))
     except NonFiniteLoss as e:
@@ -123,6 +114,19 @@ def _train(args: argparse.Namespace) -> int:
     if cluster.is_primary():
         _report(history, args.out)
     return 0
+
+
+def _run_options(args: argparse.Namespace) -> dict[str, Any]:
+    """`train.run`'s options from the flags (where the replicas live, resuming,
+    the bar, what a non-finite loss does)."""
+    return {
+        "devices_per_replica": args.devices_per_replica,
+        "fsdp": args.fsdp,
+        "courier": args.courier,
+        "resume": not args.no_resume,
+        "progress": not args.no_progress,
+        "nonfinite_loss": args.nonfinite_loss,
+    }
 
 
 def _connect(args: argparse.Namespace, cluster: Any) -> int | None:

@@ -127,15 +127,12 @@ class InnerConfig:
         """
         warmup = min(self.warmup(total_steps), max(total_steps - 1, 0))
         decay_steps = max(total_steps, warmup + 1)
-        end = self.min_lr_ratio * self.lr
+        peak = self.lr if peak is None else peak
+        alpha = self.min_lr_ratio * self.lr / self.lr  # optax's end / peak
         return optax.join_schedules(
             [
-                optax.linear_schedule(0.0, self.lr if peak is None else peak, warmup),
-                optax.cosine_decay_schedule(
-                    self.lr if peak is None else peak,
-                    decay_steps - warmup,
-                    alpha=end / self.lr,
-                ),
+                optax.linear_schedule(0.0, peak, warmup),
+                optax.cosine_decay_schedule(peak, decay_steps - warmup, alpha=alpha),
             ],
             [warmup],
         )

@@ -69,7 +69,7 @@ def _load(records: pathlib.Path, key: str) -> tuple[RunConfig, dict] | None:
 
 
 def _params(config: RunConfig) -> int:
-    return train.build(config).model_config.num_params()
+    return config.model_config().num_params()
 
 
 def prefix_steps(config: RunConfig, params: int, budget: int = BUDGET) -> int:
