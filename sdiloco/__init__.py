@@ -2,8 +2,9 @@
 
 The public API, re-exported explicitly. Each name lives in a one-concept module:
 fragments (`fragments.py`), the sync schedule (`schedule.py`), outer-gradient
-compressors, composable as stages (`compression/`), how a replica takes in an outer
-step (`merging.py`), the algorithm (`streaming.py`, on the interfaces of
+compressors, composable as stages (`compression/`), plug-ins that act around the
+exchange with state of their own (`plugins.py`; the merges in `merging.py`), how
+the senders' outer gradients become one (`aggregation.py`), the algorithm (`streaming.py`, on the interfaces of
 `base.py`) and its Data-Parallel
 baseline (`data_parallel.py`); who takes part in a step, for elastic training
 (`participation.py`); the step compiled once (`jit.py`); diagnostics of a state
@@ -30,7 +31,6 @@ from .compression import (
     chain as chain,
     chunked_top_k as chunked_top_k,
     dare as dare,
-    error_feedback as error_feedback,
     fed_dropout as fed_dropout,
     min_max as min_max,
     quantizer as quantizer,
@@ -50,14 +50,20 @@ from .fragments import (
     single_fragment as single_fragment,
 )
 from .jit import jit_step as jit_step
+from . import aggregation as aggregation, plugins as plugins
 from .merging import (
     AlphaMerge as AlphaMerge,
     Eager as Eager,
-    MergePolicy as MergePolicy,
+    alpha_merge as alpha_merge,
+    eager as eager,
 )
 from .participation import (
     Participation as Participation,
     everyone as everyone,
+)
+from .plugins import (
+    Plugin as Plugin,
+    error_feedback as error_feedback,
 )
 from .schedule import (
     Schedule as Schedule,

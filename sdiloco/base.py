@@ -59,9 +59,11 @@ class Exchange(Protocol):
     """How the replicas exchange one fragment's outer gradients (Alg. 2, l.7-8).
 
     Given each replica's outer gradient of the fragment (one `[M, ...]` array per
-    piece), it returns the average over replicas of what the receivers reconstruct
-    (one `[...]` array per piece, in float32 or wider) and each replica's own
-    reconstruction `[M, ...]` (what error feedback subtracts).
+    piece) and `aggregate`, it returns `aggregate(rows)` of what the receivers
+    reconstruct of every replica's message (`rows`: `[M, ...]` per piece, in
+    float32 or wider; one `[...]` array per piece comes back), computed where the
+    rows are, and each replica's own reconstruction `[M, ...]` (what error feedback
+    subtracts).
     `communication.simulated_exchange` (every replica on one device) and
     `distributed.sharded_exchange(mesh)` (a packed all-gather) are the ones here;
     `distributed.posted_exchange` splits one around the steps (`PostedExchange`).
@@ -73,8 +75,9 @@ class Exchange(Protocol):
         fragments: Fragments,
         deltas: list[Array],
         key: PRNGKeyArray,
+        aggregate: Callable[[list[Array]], list[Array]],
     ) -> tuple[list[Array], list[Array]]:
-        """Exchange `deltas`; returns `(mean, own_reconstruction)`."""
+        """Exchange `deltas`; returns `(aggregate(rows), own_reconstruction)`."""
         ...
 
 
@@ -87,7 +90,7 @@ class PostedExchange(Protocol):
     moves the messages between replicas while the next τ inner steps compute (with
     τ = 0, between the two halves of the sending step), and puts every replica's
     message in the state's inbox before the step that needs them, which *decodes*
-    and averages them. The values are those of an `Exchange`
+    and aggregates them. The values are those of an `Exchange`
     that encodes, moves and decodes within one step.
     """
 
@@ -111,15 +114,17 @@ class PostedExchange(Protocol):
         """Each replica's message `[M, B]` (uint8) and its own reconstruction."""
         ...
 
-    def decode_mean(
+    def decode(
         self,
         compressor: Compressor | None,
         fragments: Fragments,
         messages: Array,
         deltas: list[Any],
         key: PRNGKeyArray,
-    ) -> list[Array]:
-        """The mean over replicas of the reconstructions of all M `messages`."""
+    ) -> tuple[list[Array], Array | None]:
+        """The reconstructions `[R, ...]` of all R `messages` (one array per piece)
+        and who sent them (`[R]` bool), or None where the state records it (the
+        algorithm's `senders`; an elastic island reads presence marks)."""
         ...
 
     def inbox_rows(self, num_replicas: int) -> int:

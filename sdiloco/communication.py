@@ -10,6 +10,7 @@ layer of a stacked transformer), so a quantization scale never spans two fragmen
 """
 
 import functools as ft
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -73,8 +74,9 @@ def simulated_exchange(
     fragments: Fragments,
     deltas: list[Array],
     key: PRNGKeyArray,
+    aggregate: Callable[[list[Array]], list[Array]] = lambda rows: average(rows),
 ) -> tuple[list[Array], list[Array]]:
-    """The exchange with all replicas on one device (vmapped): compress, then average.
+    """The exchange with all replicas on one device: compress, then aggregate.
 
     This is the default `exchange` of `streaming_diloco` (a `base.Exchange`). The
     sharded one (`distributed.sharded_exchange`) returns the same values.
@@ -84,14 +86,17 @@ def simulated_exchange(
         fragments: the partition.
         deltas: each replica's outer gradient, one `[M, ...]` array per leaf.
         key: randomness for stochastic compressors.
+        aggregate: how the reconstructions become one (`aggregation.py`; the
+            algorithm passes its aggregator over the senders); default the plain
+            mean over all M.
 
     Returns:
-        The average over replicas of the reconstructed outer gradients (one `[...]`
-        array per leaf, wide dtype), and each replica's own reconstruction `[M, ...]`
-        (what error feedback subtracts).
+        `aggregate` of the reconstructed outer gradients (one `[...]` array per
+        leaf, wide dtype), and each replica's own reconstruction `[M, ...]` (what
+        error feedback subtracts).
     """
     recon = compress(compressor, fragments, deltas, key)
-    return average(recon), recon
+    return aggregate(recon), recon
 
 
 def average(values: list[Array]) -> list[Array]:

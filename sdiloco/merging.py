@@ -8,92 +8,49 @@ outer gradient standing in for the average that has not arrived, and when the
 average arrives it swaps that stand-in for the real step, keeping the inner steps it
 took meanwhile (`eager`).
 
-A policy is an `eqx.Module` with static configuration and two hooks, each acting on
-one fragment's pieces (one `[M, ...]` array per leaf the fragment touches):
-
-* `on_send(replicas, standin, state)`, right after the replicas send the fragment:
-  `standin()` computes, per replica, the fragment's parameters after an outer step
-  on that replica's own outer gradient (what `eager` applies). Returns the replicas'
-  new pieces and the policy's new state pieces. A policy whose `acts_on_send` is
-  false is not called here.
-* `on_arrival(replica, global_, due, ok, state)`, when the outer step arrives: the
-  replica's new piece (where `due`), given θ_g after the step and whether the outer
-  gradient was finite (`ok`; where it was not, a policy should restore θ_g).
-
-A policy with state (`stateful`) keeps one array per replica and parameter, like the
-parameters (`init`, from θ_g); it lives in the algorithm's state (`merge_state`), so
-it is checkpointed, restored and sharded like the replicas, and a replica that comes
-back from a failure gets `init`'s value again.
+Both are plug-ins (`plugins`): their `on_arrival` takes in the outer step, and
+Eager's `after_send` applies its stand-in. Eager keeps one array per replica and
+parameter (the stand-in), in the algorithm's `plugin_state`, so it is checkpointed,
+restored and sharded like the replicas, and a replica that comes back from a
+failure starts it again from θ_g.
 """
-
-from collections.abc import Callable
 
 import equinox as eqx
 import jax.numpy as jnp
-from jaxtyping import Array, Bool
 
 from .compression.base import compute_dtype
 from .outer import merge
+from .plugins import Plugin, pieces, replicated, scatter_senders
 
 
-class MergePolicy(eqx.Module):
-    """How a replica takes in a fragment's outer step (see the module docstring)."""
-
-    @property
-    def acts_on_send(self) -> bool:
-        """Whether `on_send` changes anything (False: the step skips it)."""
-        return False
-
-    @property
-    def stateful(self) -> bool:
-        """Whether the policy keeps per-replica state (`init`)."""
-        return False
-
-    def init(self, replica: Array) -> Array:
-        """The state of one `[M, ...]` leaf, from θ_g broadcast to every replica."""
-        return replica
-
-    def on_send(
-        self,
-        replicas: list[Array],
-        standin: Callable[[], list[Array]],
-        state: list[Array] | None,
-    ) -> tuple[list[Array], list[Array] | None]:
-        """The replicas' pieces (and state) right after they sent the fragment."""
-        del standin
-        return replicas, state
-
-    def on_arrival(
-        self,
-        replica: Array,
-        global_: Array,
-        due: Bool[Array, "..."],
-        ok: Bool[Array, "..."],
-        state: Array | None,
-    ) -> tuple[Array, Array | None]:
-        """A replica piece `[M, ...]` (and its state) once θ_g took the outer step."""
-        raise NotImplementedError
-
-
-class AlphaMerge(MergePolicy):
+class AlphaMerge(Plugin):
     """The paper's merge, `θ_m ← α·θ_m + (1 − α)·θ_g` (Streaming DiLoCo Alg. 2, l.12).
+
+    Where the fragment's outer gradient was not finite, the replica is restored to
+    θ_g. Each stacked leaf is merged one row at a time, in place (`Visit.update`).
 
     Attributes:
         alpha: the mixing factor α in [0, 1] (0: take θ_g, as DiLoCo does).
     """
 
     alpha: float = eqx.field(default=0.5, static=True)
+    merges = True
 
     def __check_init__(self):
         if isinstance(self.alpha, bool) or not 0 <= self.alpha <= 1:
             raise ValueError(f"alpha={self.alpha!r}; must be in [0, 1].")
 
-    def on_arrival(self, replica, global_, due, ok, state):
+    def on_arrival(self, arrival, replicas, state):
         """`outer.merge`: α-mix where due, θ_g where the outer gradient failed."""
-        return merge(replica, global_, due, ok, self.alpha), state
+
+        def mix(r, g):
+            due = arrival.due.reshape((-1,) + (1,) * g.ndim)
+            return merge(r, arrival.fetch(g), due, arrival.ok, self.alpha)
+
+        return arrival.visit.update(replicas, arrival.global_, mix, 1), state
 
 
-class Eager(MergePolicy):
+class Eager(Plugin):
     """Eager updates in the streaming form: a stand-in outer step at the send, the
     real one swapped in on arrival (Kale et al., 2025).
 
@@ -103,8 +60,10 @@ class Eager(MergePolicy):
     inner steps from there. When the average arrives and θ_g takes the real step,
     `θ_m ← θ_m − θ̃_m + θ_g` (computed in float32 or wider): the stand-in is replaced
     by the real step and the inner progress since the send is kept. Where the outer
-    gradient was not finite, the replica is restored to θ_g. With τ = 0 this is
-    α = 0; with M = 1 the stand-in is the real step and the correction is zero.
+    gradient was not finite, the replica is restored to θ_g. A replica that does not
+    send keeps its pieces, and its stand-in is θ_g (it applied none). With τ = 0
+    this is α = 0; with M = 1 the stand-in is the real step and the correction is
+    zero.
 
     This differs from the Eager paper in:
     1. The stand-in is the replica's own outer gradient alone (the text of this
@@ -113,45 +72,48 @@ class Eager(MergePolicy):
     2. The one-outer-step form (τ = H) is not offered: docs/decisions.md says why.
     """
 
-    @property
-    def acts_on_send(self) -> bool:
-        """True: the replica applies its stand-in at the send."""
-        return True
+    merges = True
 
-    @property
-    def stateful(self) -> bool:
-        """True: the stand-in `θ̃_m` of each replica."""
-        return True
+    def init(self, params, num_replicas, num_fragments):
+        """The stand-ins, θ_g on every replica."""
+        del num_fragments
+        return replicated(params, num_replicas)
 
-    def on_send(self, replicas, standin, state):
-        """Every replica takes its stand-in step, and remembers it."""
-        del replicas, state
-        stand = standin()
-        return stand, stand
+    def after_send(self, send, sent, own, replicas, state):
+        """Every sender takes its stand-in step, and remembers it."""
+        del sent
+        stand = send.standin(own)
+        replicas = scatter_senders(send, replicas, stand)
+        if send.sends is not None:  # a replica not sending: its stand-in is θ_g
+            mask, leaves = send.sends, send.visit.group.leaves
+            dtypes = [replicas[i].dtype for i in leaves]
+            g = replicated(send.global_, mask.shape[0])
+            stand = [
+                jnp.where(mask.reshape((-1,) + (1,) * (x.ndim - 1)), x, y.astype(d))
+                for x, y, d in zip(stand, g, dtypes)
+            ]
+        return replicas, send.visit.scatter(state, stand, axis=1)
 
-    def on_arrival(self, replica, global_, due, ok, state):
+    def on_arrival(self, arrival, replicas, state):
         """`θ_m − θ̃_m + θ_g` where due (θ_g where the outer gradient failed)."""
-        assert state is not None  # a stateful policy: the core passes its state
-        wide = compute_dtype(replica.dtype)
-        g = jnp.broadcast_to(global_[None], replica.shape)
-        fixed = replica.astype(wide) - state.astype(wide) + g.astype(wide)
-        new = jnp.where(ok[None], fixed.astype(replica.dtype), g)
-        return jnp.where(due, new, replica), state
+        v = arrival.visit
+        new = []
+        own, stand = pieces(arrival, replicas), pieces(arrival, state)
+        for r, s, g in zip(own, stand, v.gather(arrival.global_)):
+            wide = compute_dtype(r.dtype)
+            g = jnp.broadcast_to(arrival.fetch(g)[None], r.shape)
+            fixed = r.astype(wide) - s.astype(wide) + g.astype(wide)
+            fixed = jnp.where(arrival.ok, fixed.astype(r.dtype), g)
+            due = arrival.due.reshape((-1,) + (1,) * (r.ndim - 1))
+            new.append(jnp.where(due, fixed, r))
+        return v.scatter(replicas, new, axis=1), state
 
 
-MERGES = ("alpha", "eager")
-"""The policies `streaming_diloco(merge=...)` builds by name."""
+def alpha_merge(alpha: float = 0.5) -> AlphaMerge:
+    """The α-merge (the paper's; `streaming_diloco(alpha=...)` builds it)."""
+    return AlphaMerge(alpha)
 
 
-def merge_policy(merge: "str | MergePolicy", alpha: float) -> MergePolicy:
-    """The policy `merge` names ("alpha": `AlphaMerge(alpha)`, "eager": `Eager()`),
-    or `merge` itself when it is a `MergePolicy`."""
-    if isinstance(merge, MergePolicy):
-        return merge
-    if merge == "alpha":
-        return AlphaMerge(alpha)
-    if merge == "eager":
-        return Eager()
-    raise ValueError(
-        f"merge={merge!r}; allowed: one of {MERGES} or a sdiloco.MergePolicy."
-    )
+def eager() -> Eager:
+    """Eager updates' merge (`streaming_diloco(plugins=eager())`)."""
+    return Eager()

@@ -13,8 +13,13 @@ state, each testable alone, in the order of Alg. 2:
 4. `outer_update` (l.9-11): a fragment whose outer gradient arrives at t takes its
    outer step on θ_g;
 5. `merge_arrivals` (l.12): each replica m whose arrival `sent + τ_m` is t merges
-   `θ_m ← α·θ_m + (1 − α)·θ_g` on that fragment, or does what the merge policy
-   says (`merging.py`; Eager also acts in `send`).
+   that fragment, `θ_m ← α·θ_m + (1 − α)·θ_g` by default.
+
+Around the exchange, plug-ins (`plugins.py`: error feedback, the merges of
+`merging.py`, a user's own) transform each replica's outer gradient before it is
+compressed, keep state of their own, and take in the outer step on arrival; an
+aggregator (`aggregation.py`) turns the senders' reconstructions into one outer
+gradient. The core calls them and knows none of them.
 
 Steps 1-2 are `local_phase` (nothing from other replicas) and 3-5 `sync_phase`; a
 `distributed.Courier` runs them as two programs and moves the messages between them.
@@ -53,13 +58,14 @@ from jaxtyping import Array, Bool, Int, PRNGKeyArray
 from . import communication, participation as participation_lib
 from ._xla import run_if
 from .base import Algorithm, Exchange, PostedExchange
-from .compression import Compressor, parse
-from .compression.stages import ErrorFeedback, split_feedback
+from .aggregation import check_aggregator, mean as plain_mean
+from .compression import Compressor
+from .compression.spec import parse_with_feedback
 from .custom_types import Batch, Metrics, Params, Replicated
 from .fragments import Fragments, check_matches, single_fragment
 from .inflight import Group, Layout, Visit, make_layout
 from .inner import check_batch, inner_steps, replicate
-from .merging import MergePolicy, merge_policy
+from .merging import alpha_merge
 from .outer import (
     GlobalMemory,
     check_outer,
@@ -68,12 +74,12 @@ from .outer import (
     outer_step_pieces,
 )
 from .participation import Participation, where_replicas
+from .plugins import Arrival, Chain, Plugin, Send, as_plugin, chain, is_finite
 from .schedule import NEVER, Schedule, make_schedule
 
 
 NONFINITE_POLICIES = ("skip", "apply", "raise")
 HEAL_POLICIES = ("copy", "reset")
-WEIGHTINGS = ("uniform", "tokens")
 
 
 class StreamingState(NamedTuple):
@@ -87,24 +93,19 @@ class StreamingState(NamedTuple):
     inflight: Array  # [K, S] Δ̄ of fragments in flight, one slot each, float32+
     sent_at: Int[Array, " P"]  # [P] int32, step each fragment was last sent (-1: never)
     inflight_ok: Bool[Array, " P"]  # [P] bool, whether that Δ̄ was finite
-    senders: Int[Array, " P"]  # [P] int32, replicas whose Δ is in that Δ̄ (M: all)
+    senders: Bool[Array, "P M"]  # [P, M] bool, who sent the Δ in flight of p
+    sent_steps: Int[Array, "P M"]  # [P, M] int32, their inner steps since their
+    # previous send of p (what a token-weighted aggregator weighs)
     alive: Bool[Array, " M"]  # [M] bool, who was alive at the last step (elastic)
-    steps_since: Int[Array, "M P"]  # inner steps of m since p's last send (weights)
-    residual: Replicated | None  # the error-feedback stage's, [M, ...] wide; or None
+    steps_since: Int[Array, "M P"]  # inner steps of m since p's last send
+    plugin_state: Any  # the plug-ins' (`plugins.Plugin.init`), leaves [M, ...]
     key: Array  # [2] uint32, root key of stochastic compressors
     # Posted exchange only (None otherwise), K in-flight slots of B bytes:
     outbox: Array | None = None  # [M, K, B] uint8, each replica's packed messages
     inbox: Array | None = None  # [K, M, B] uint8, every replica's, once delivered
     # (an island of an elastic job: every island's, `PostedExchange.inbox_rows`)
-    merge_state: Replicated | None = None  # a stateful merge policy's, [M, ...]
 
-    replica_fields = (
-        "replica_params",
-        "inner_state",
-        "residual",
-        "outbox",
-        "merge_state",
-    )
+    replica_fields = ("replica_params", "inner_state", "plugin_state", "outbox")
     """The fields whose leaves carry the leading replica axis M."""
 
 
@@ -120,21 +121,14 @@ class StreamingSpec(NamedTuple):
     outer: optax.GradientTransformation
     schedule: Schedule
     fragments: Fragments | None
-    alpha: float
-    compressor: Compressor | None  # the compressing stages (no error feedback)
-    feedback: ErrorFeedback | None
+    compressor: Compressor | None
+    plugin: Chain  # the plug-ins, one of which merges
+    aggregator: Callable[..., list[Array]]
     nonfinite: str
     has_aux: bool
     exchange: Exchange | PostedExchange
     memory: GlobalMemory = GlobalMemory()
     heal: str = "copy"
-    weighting: str = "uniform"
-    merge: MergePolicy | None = None  # None: the α-merge with `alpha`
-
-    @property
-    def policy(self) -> MergePolicy:
-        """The merge policy (`merging`)."""
-        return merge_policy("alpha" if self.merge is None else self.merge, self.alpha)
 
     @property
     def num_replicas(self) -> int:
@@ -186,17 +180,16 @@ def streaming_diloco(
     sync_every: int = 100,
     fragments: Fragments | None = None,
     overlap: int | Sequence[int] = 1,
-    alpha: float = 0.5,
+    alpha: float | None = None,
     first_send: Sequence[int] | None = None,
     compressor: Compressor | str | None = None,
-    error_feedback: bool = False,
+    plugins: Plugin | Sequence[Plugin] = (),
+    aggregator: Callable[..., list[Array]] = plain_mean(),
     nonfinite: str = "skip",
     has_aux: bool = False,
     exchange: Exchange | PostedExchange = communication.simulated_exchange,
     offload: bool = False,
     heal: str = "copy",
-    weighting: str = "uniform",
-    merge: str | MergePolicy = "alpha",
 ) -> Algorithm[StreamingSpec]:
     """Streaming DiLoCo (Alg. 2) with overlapped, compressed fragment syncs.
 
@@ -215,16 +208,26 @@ def streaming_diloco(
             one fragment.
         overlap: τ, one int or one per replica, 0 <= τ < H: a fragment sent at t is
             merged by replica m at t + τ_m.
-        alpha: the mixing factor α in [0, 1] of the merge.
+        alpha: the mixing factor α in [0, 1] of the paper's merge: short for the
+            plug-in `merging.alpha_merge(alpha)`; None is α = 0.5 unless `plugins`
+            holds another merge (giving both is an error).
         first_send: f_p >= 1 per fragment; default `H + round(p·H/P)`.
         compressor: applied to each replica's Δ before the exchange (a `quantizer`,
-            `dare`, `top_k`, `fed_dropout`, or stages composed with `chain`, which
-            `error_feedback(beta)` may close; a spec string such as "e3m0" or
-            "topk:0.02/64,int2,ef:0.9" is short for `compression.parse(spec)`); None
-            sends float32. A stochastic compressor needs the `key` argument of `init`.
-        error_feedback: True is short for closing the compressor with
-            `error_feedback(1.0)`: carry each replica's compression residual into its
-            next send of that fragment (beyond the paper).
+            `dare`, `top_k`, `fed_dropout`, or stages composed with
+            `compression.chain`); None sends float32. A spec string such as "e3m0"
+            or "topk:0.02/64,int2,ef:0.9" is short for its stages, and a closing
+            `ef[:β]` for the plug-in `plugins.error_feedback(β)`. A stochastic
+            compressor needs the `key` argument of `init`.
+        plugins: what each replica does around the exchange, with state of its
+            own (`plugins.py`): `error_feedback(β)` carries each replica's
+            compression residual into its next send of a fragment, `eager()`
+            merges the Eager way; one `Plugin` or a sequence, composed in order.
+        aggregator: how the senders' decoded outer gradients of a fragment become
+            one (`aggregation.py`): the plain mean over the senders (default),
+            `token_weighted_mean()` (each by the inner steps it took since its last
+            send: a straggler or a replica just back counts for the work it did),
+            `trimmed_mean`, `median`, `clipped_mean`, or any function
+            `(rows, sent, steps) -> list of arrays`.
         nonfinite: what to do with a non-finite averaged outer gradient: "skip" (the
             default: skip that fragment's outer step and restore it to θ_g on every
             replica, a failed round), "apply" (no check), "raise" (a runtime error).
@@ -252,16 +255,7 @@ def streaming_diloco(
             learning-rate schedule (optax schedules count the state's steps) and
             moments match a replica training the same θ_g; "reset" starts it afresh
             (the schedule restarts at step 0 for that replica). Either way its
-            parameters become θ_g.
-        weighting: how a fragment's average weighs the replicas that sent it:
-            "uniform" (the paper's plain mean) or "tokens" (each Δ_m by the inner
-            steps replica m took since the fragment's last send, so a replica that
-            straggled or has just come back counts for the work it did; applied to Δ
-            before compression; not with `error_feedback`).
-        merge: how a replica takes in a fragment's outer step (`merging`): "alpha"
-            (the paper's α-merge, the default), "eager" (apply its own outer
-            gradient as a stand-in at the send and swap in the real step on
-            arrival), or any `MergePolicy`.
+            parameters become θ_g and its plug-ins' state `init`'s.
 
     Returns:
         The `Algorithm`; its `step(state, batch, participation=None)` takes who
@@ -272,8 +266,8 @@ def streaming_diloco(
             value and what is allowed.
     """
     outer = optax.sgd(0.4, momentum=0.9, nesterov=True) if outer is None else outer
-    compressor, feedback, policy = _check_options(
-        alpha, nonfinite, compressor, error_feedback, fragments, heal, weighting, merge
+    compressor, plugin = _check_options(
+        alpha, nonfinite, compressor, plugins, aggregator, fragments, heal
     )
     schedule = _schedule(sync_every, fragments, num_replicas, overlap, first_send)
     _check_outer(outer, fragments)
@@ -283,16 +277,14 @@ def streaming_diloco(
         outer=outer,
         schedule=schedule,
         fragments=fragments,
-        alpha=alpha,
         compressor=compressor,
-        feedback=feedback,
+        plugin=plugin,
+        aggregator=aggregator,
         nonfinite=nonfinite,
         has_aux=has_aux,
         exchange=exchange,
         memory=GlobalMemory(offload),
         heal=heal,
-        weighting=weighting,
-        merge=None if merge == "alpha" else policy,
     )
 
     def init(params: Params, key: PRNGKeyArray | None = None) -> StreamingState:
@@ -371,15 +363,9 @@ def streaming_init(
     layout = spec.layout(arrays)
     wide = jnp.result_type(*[_wide(x) for x in jax.tree.leaves(arrays)])
     replicas = replicate(params, spec.num_replicas)
-    residual = merge_state = None
-    if spec.feedback is not None:
-        residual = jax.tree.map(
-            spec.feedback.init, replicate(arrays, spec.num_replicas)
-        )
-    if spec.policy.stateful:
-        merge_state = jax.tree.map(
-            spec.policy.init, replicate(arrays, spec.num_replicas)
-        )
+    plugin_state = spec.plugin.init(
+        jax.tree.leaves(arrays), spec.num_replicas, frags.num_fragments
+    )
     global_params, outer_state = (
         params,
         outer_init(spec.outer, arrays, frags.num_fragments),
@@ -403,14 +389,14 @@ def streaming_init(
         inflight=jnp.zeros((layout.num_slots, layout.slot_size), wide),
         sent_at=jnp.full((frags.num_fragments,), NEVER, jnp.int32),
         inflight_ok=jnp.ones((frags.num_fragments,), bool),
-        senders=jnp.full((frags.num_fragments,), spec.num_replicas, jnp.int32),
+        senders=jnp.ones((frags.num_fragments, spec.num_replicas), bool),
+        sent_steps=jnp.zeros((frags.num_fragments, spec.num_replicas), jnp.int32),
         alive=jnp.ones((spec.num_replicas,), bool),
         steps_since=jnp.zeros((spec.num_replicas, frags.num_fragments), jnp.int32),
-        residual=residual,
+        plugin_state=plugin_state,
         key=jnp.zeros((2,), jnp.uint32) if key is None else _key_data(key),
         outbox=outbox,
         inbox=inbox,
-        merge_state=merge_state,
     )
 
 
@@ -506,8 +492,8 @@ def heal(
 ) -> StreamingState:
     """Replicas alive now but not at the last step come back before their inner step.
 
-    Such a replica adopts θ_g for every fragment, forgets its error-feedback residual
-    and gets an inner optimizer state by `spec.heal`: "copy" takes that of the first
+    Such a replica adopts θ_g for every fragment, its plug-ins' state starts afresh
+    (`init`) and it gets an inner optimizer state by `spec.heal`: "copy" takes that of the first
     replica alive at both steps (reset when there is none), "reset" initialises it
     from θ_g. Fragments in flight are merged on arrival like every replica's.
     `state.alive` becomes `alive`.
@@ -541,27 +527,19 @@ def adopt_global(
     spec: StreamingSpec, state: StreamingState, back: Bool[Array, " M"] | None = None
 ) -> StreamingState:
     """The replicas `back` (None: all) start again from θ_g: their parameters become
-    θ_g, their error-feedback residual zero and their merge policy's state `init`'s
-    (the inner optimizer state is the caller's: `heal`, or a peer's in an elastic
+    θ_g and their plug-ins' state `init`'s (the inner optimizer state is the caller's: `heal`, or a peer's in an elastic
     job). Every way back into the rounds goes through here."""
     back = jnp.ones((spec.num_replicas,), bool) if back is None else back
     g = jax.tree.map(
         spec.memory.fetch, eqx.filter(state.global_params, eqx.is_inexact_array)
     )
-    g = replicate(g, spec.num_replicas)
-    replicas = eqx.combine(g, state.replica_params)
-    state = state._replace(
-        replica_params=where_replicas(back, replicas, state.replica_params)
+    num_fragments = state.sent_at.shape[0]
+    fresh = spec.plugin.init(jax.tree.leaves(g), spec.num_replicas, num_fragments)
+    replicas = eqx.combine(replicate(g, spec.num_replicas), state.replica_params)
+    return state._replace(
+        replica_params=where_replicas(back, replicas, state.replica_params),
+        plugin_state=where_replicas(back, fresh, state.plugin_state),
     )
-    if state.residual is not None:
-        zero = jax.tree.map(jnp.zeros_like, state.residual)
-        state = state._replace(residual=where_replicas(back, zero, state.residual))
-    if state.merge_state is not None:
-        fresh = jax.tree.map(spec.policy.init, g)
-        state = state._replace(
-            merge_state=where_replicas(back, fresh, state.merge_state)
-        )
-    return state
 
 
 def inner_update(
@@ -610,146 +588,93 @@ def send(
 ) -> StreamingState:
     """Send the fragments due at t = `state.step` (Alg. 2, l.6-8).
 
-    For each sent fragment p, on its elements only: `Δ_m = θ_g − θ_m` per replica
-    (plus its error-feedback residual), exchanged (compressed per replica, averaged
-    over replicas in float32 or wider) into p's in-flight slot, with `sent_at[p] = t`
-    and whether Δ̄ is finite. With a posted exchange each replica's packed message
-    goes into p's outbox slot instead (`receive` decodes and averages it).
+    For each sent fragment p, on its elements only: `Δ_m = θ_g − θ_m` per replica,
+    through the plug-ins' `before_send`, exchanged (compressed per replica, the
+    reconstructions aggregated over the senders in float32 or wider) into p's
+    in-flight slot, with `sent_at[p] = t`, who sent and whether the result is
+    finite; then the plug-ins' `after_send`. With a posted exchange each replica's
+    packed message goes into p's outbox slot instead (`receive` decodes and
+    aggregates it).
 
     With `sends`, a replica not sending contributes a zero Δ (every compressor sends
-    zero as zero) and keeps its residual; the mean is rescaled from M to the
-    `senders` replicas that sent (1.0 when all did). A merge policy that acts on
-    the send (`Eager`) then changes each sender's pieces (`_on_send`).
+    zero as zero) and the aggregator leaves it out.
     """
     layout = spec.layout(state.global_params)
     t = state.step
-    count = jnp.asarray(spec.num_replicas if sends is None else jnp.sum(sends))
-    weights = None  # the uniform mean
-    if spec.weighting == "tokens":
-        weights = participation_lib.token_weights(state.steps_since, sends)
-    if weights is not None:  # per fragment: the senders that did some work
-        count = jnp.sum(weights > 0, axis=0)
+    sent_by = jnp.ones((spec.num_replicas,), bool) if sends is None else sends
 
     def one(v: Visit, inputs, carry):
-        g_leaves, r_leaves, key, outer = inputs
-        deltas = _deltas_sent(
-            spec, v, g_leaves, r_leaves, carry["residual"], sends, weights
-        )
+        g_leaves, key, (params, outer_state), steps_since = inputs
+        g = [spec.memory.fetch(x) for x in v.gather(g_leaves)]
+
+        def standin(grads: list[Array]) -> list[Array]:
+            def step(grads):
+                return outer_step_pieces(
+                    spec.outer, v, params, outer_state, grads, spec.memory
+                )
+
+            return jax.vmap(step)(grads)
+
+        ctx = Send(v, sends, g, standin)
+        deltas = communication.outer_gradients(g, v.gather(carry["replicas"], 1))
+        deltas, plugin_state = spec.plugin.before_send(ctx, deltas, carry["plugin"])
+        if sends is not None:  # nothing of a replica that does not send
+            deltas = [where_replicas(sends, d, jnp.zeros_like(d)) for d in deltas]
         frags, key = v.group.piece_fragments(), jr.fold_in(key, v.p)
         if isinstance(spec.exchange, PostedExchange):
             messages, own = spec.exchange.encode(spec.compressor, frags, deltas, key)
             carry["outbox"] = _write_message(layout, carry["outbox"], v.p, messages)
         else:
-            mean, own = spec.exchange(spec.compressor, frags, deltas, key)
-            if weights is None:
-                mean = participation_lib.over_senders(mean, count, spec.num_replicas)
+            steps = steps_since[:, v.p]
+
+            def aggregate(rows: list[Array]) -> list[Array]:
+                return spec.aggregator(rows, sent_by, steps)
+
+            mean, own = spec.exchange(spec.compressor, frags, deltas, key, aggregate)
             carry["slots"] = layout.write(carry["slots"], v.group, v.p, mean)
-            carry["ok"] = carry["ok"].at[v.p].set(_finite(mean))
-        if spec.feedback is not None:
-            errors = [spec.feedback.residual(d, q) for d, q in zip(deltas, own)]
-            carry["residual"] = _scatter_sent(v, carry["residual"], errors, sends)
-        if spec.policy.acts_on_send:
-            carry = _on_send(spec, v, carry, outer, own, sends)
+            carry["ok"] = carry["ok"].at[v.p].set(is_finite(mean))
+        carry["replicas"], carry["plugin"] = spec.plugin.after_send(
+            ctx, deltas, own, carry["replicas"], plugin_state
+        )
         return carry
 
     g_tree = eqx.filter(state.global_params, eqx.is_inexact_array)
     replicas, static = eqx.partition(state.replica_params, eqx.is_inexact_array)
-    outer = (g_tree, state.outer_state) if spec.policy.acts_on_send else None
     key = jr.fold_in(state.key, t)
-    inputs = (_leaves(g_tree), jax.tree.leaves(replicas), key, outer)
-    carry = _send_carry(spec, state, replicas)
+    outer = (g_tree, state.outer_state)
+    inputs = (_leaves(g_tree), key, outer, state.steps_since)
+    carry = {
+        "slots": state.inflight,
+        "ok": state.inflight_ok,
+        "outbox": state.outbox,
+        "replicas": jax.tree.leaves(replicas),
+        "plugin": state.plugin_state,
+    }
     sent = jnp.asarray(spec.schedule.sent(t))
     carry = layout.for_each(sent, one, carry, inputs)
-    if carry["replicas"] is not None:
-        replicas = jax.tree.unflatten(jax.tree.structure(replicas), carry["replicas"])
-        state = state._replace(replica_params=eqx.combine(replicas, static))
+    replicas = jax.tree.unflatten(jax.tree.structure(replicas), carry["replicas"])
     return state._replace(
+        replica_params=eqx.combine(replicas, static),
         inflight=carry["slots"],
         inflight_ok=carry["ok"],
         sent_at=jnp.where(sent, t, state.sent_at),
-        senders=jnp.where(sent, count.astype(jnp.int32), state.senders),  # [P] or []
+        senders=jnp.where(sent[:, None], sent_by[None, :], state.senders),
+        sent_steps=jnp.where(sent[:, None], state.steps_since.T, state.sent_steps),
         steps_since=jnp.where(sent[None, :], 0, state.steps_since),
-        residual=_maybe_tree(state.residual, carry["residual"]),
         outbox=carry["outbox"],
-        merge_state=_maybe_tree(state.merge_state, carry["merge_state"]),
+        plugin_state=carry["plugin"],
     )
-
-
-def _send_carry(spec: StreamingSpec, state: StreamingState, replicas: Any) -> dict:
-    """What `send`'s loop over fragments updates: the in-flight slots and flags, the
-    error-feedback residual, the outbox, and for a policy that acts on the send the
-    replicas and the policy's state (as leaf lists, None when absent)."""
-    acts = spec.policy.acts_on_send
-    return {
-        "slots": state.inflight,
-        "ok": state.inflight_ok,
-        "residual": _maybe_leaves(state.residual),
-        "outbox": state.outbox,
-        "replicas": jax.tree.leaves(replicas) if acts else None,
-        "merge_state": _maybe_leaves(state.merge_state),
-    }
-
-
-def _on_send(spec, v, carry, outer, own, sends):
-    """The merge policy's `on_send` for fragment `v` (a stand-in, for `Eager`). A
-    replica not sending keeps its pieces, and its policy state starts afresh from
-    θ_g (`init`: it applied no stand-in). `outer` is θ_g and the outer state."""
-    params, outer_state = outer
-    replicas = v.gather(carry["replicas"], 1)
-    kept = None if carry["merge_state"] is None else v.gather(carry["merge_state"], 1)
-
-    def standin() -> list[Array]:
-        def one(grads):
-            return outer_step_pieces(
-                spec.outer, v, params, outer_state, grads, spec.memory
-            )
-
-        return jax.vmap(one)(own)
-
-    new, policy_state = spec.policy.on_send(replicas, standin, kept)
-    carry["replicas"] = _scatter_sent(v, carry["replicas"], new, sends)
-    if policy_state is not None:
-        if sends is not None:
-            g = [spec.memory.fetch(x) for x in v.gather(_leaves(params))]
-            fresh = [
-                spec.policy.init(jnp.broadcast_to(x[None], r.shape).astype(r.dtype))
-                for x, r in zip(g, replicas)
-            ]
-            policy_state = [
-                where_replicas(sends, x, f) for x, f in zip(policy_state, fresh)
-            ]
-        carry["merge_state"] = v.scatter(carry["merge_state"], policy_state, axis=1)
-    return carry
-
-
-def _scatter_sent(
-    v: Visit, leaves: list[Array], pieces: list[Array], sends: Array | None
-) -> list[Array]:
-    """`leaves` `[M, ...]` with fragment `v`'s pieces set to `pieces`, except for a
-    replica that did not send, which keeps its own."""
-    if sends is not None:
-        kept = v.gather(leaves, 1)
-        pieces = [where_replicas(sends, x, k) for x, k in zip(pieces, kept)]
-    return v.scatter(leaves, pieces, axis=1)
-
-
-def _maybe_leaves(tree: Any) -> list[Array] | None:
-    return None if tree is None else jax.tree.leaves(tree)
-
-
-def _maybe_tree(like: Any, leaves: list[Array] | None) -> Any:
-    if like is None or leaves is None:
-        return None
-    return jax.tree.unflatten(jax.tree.structure(like), leaves)
 
 
 def receive(spec: StreamingSpec, state: StreamingState) -> StreamingState:
     """Decode the messages of the fragments whose outer step is at t (posted exchange).
 
     For each such fragment, every replica's packed message (delivered into the
-    fragment's inbox slot between steps) is decoded and the reconstructions averaged
-    over replicas in float32 or wider, in replica order: the in-flight slot and the
+    fragment's inbox slot between steps) is decoded and the reconstructions
+    aggregated over the senders in float32 or wider: the in-flight slot and the
     finiteness flag then hold what an in-step exchange would have stored at the send.
+    Who sent is what the send recorded, or on an elastic island the messages'
+    presence marks.
     Without a posted exchange this is the identity.
     """
     if not spec.posted:
@@ -757,23 +682,26 @@ def receive(spec: StreamingSpec, state: StreamingState) -> StreamingState:
     layout, like = spec.layout(state.global_params), _leaves(state.global_params)
     exchange = cast(PostedExchange, spec.exchange)
 
-    def one(v: Visit, inbox, carry):
-        slots, ok = carry
+    def one(v: Visit, inputs, carry):
+        (inbox, senders, sent_steps), (slots, ok) = inputs, carry
         deltas, frags = _deltas_like(spec, v.group, like), v.group.piece_fragments()
         size = exchange.message_bytes(spec.compressor, frags, deltas, state.key)
         k = jnp.asarray(layout.slot_of)[v.p]
         messages = jax.lax.dynamic_index_in_dim(inbox, k, 0, keepdims=False)
         messages = messages[:, :size]
-        mean = exchange.decode_mean(spec.compressor, frags, messages, deltas, state.key)
-        if spec.weighting == "uniform":
-            mean = participation_lib.over_senders(
-                mean, state.senders[v.p], spec.num_replicas
-            )
-        return layout.write(slots, v.group, v.p, mean), ok.at[v.p].set(_finite(mean))
+        rows, present = exchange.decode(
+            spec.compressor, frags, messages, deltas, state.key
+        )
+        if present is None:
+            mean = spec.aggregator(rows, senders[v.p], sent_steps[v.p])
+        else:  # an island: who was a member of the round, their steps unknown
+            mean = spec.aggregator(rows, present, None)
+        return layout.write(slots, v.group, v.p, mean), ok.at[v.p].set(is_finite(mean))
 
     due = spec.schedule.outer_due(state.step, state.sent_at)
     carry = (state.inflight, state.inflight_ok)
-    slots, ok = layout.for_each(due, one, carry, state.inbox)
+    inputs = (state.inbox, state.senders, state.sent_steps)
+    slots, ok = layout.for_each(due, one, carry, inputs)
     return state._replace(inflight=slots, inflight_ok=ok)
 
 
@@ -820,9 +748,10 @@ def merge_arrivals(
 ) -> tuple[StreamingState, Bool[Array, "M P"]]:
     """Each replica merges the fragments arriving for it at t (Alg. 2, l.12).
 
-    `θ_m ← α·θ_m + (1 − α)·θ_g` on the fragment for every replica m with
-    `sent_at + τ_m = t`; a fragment whose outer gradient was not finite, or that no
-    replica sent, is restored to θ_g instead (unless the policy is "apply"). With
+    The plug-ins' `on_arrival` (the α-merge `θ_m ← α·θ_m + (1 − α)·θ_g` by
+    default) on the fragment, for every replica m with `sent_at + τ_m = t`; where
+    the fragment's outer gradient was not finite (unless the policy is "apply"),
+    or no replica sent it, `Arrival.ok` is false and a merge restores θ_g. With
     `alive`, a replica that is not alive merges nothing.
 
     Returns:
@@ -831,32 +760,22 @@ def merge_arrivals(
     merging = spec.schedule.merge_due(state.step, state.sent_at)
     if alive is not None:
         merging = merging & alive[:, None]
-    keep = (state.inflight_ok | (spec.nonfinite == "apply")) & (state.senders > 0)
-    layout, policy = spec.layout(state.global_params), spec.policy
+    keep = (state.inflight_ok | (spec.nonfinite == "apply")) & _sent(state)
     replicas, static = eqx.partition(state.replica_params, eqx.is_inexact_array)
     r_leaves, r_def = jax.tree.flatten(replicas)
 
     def one(v: Visit, g_leaves, carry):
-        (r_leaves, s_leaves), due, ok = carry, merging[:, v.p], keep[v.p]
-
-        def mix(r: Array, g: Array, s: Array | None = None):  # a piece (or a row)
-            g = spec.memory.fetch(g)
-            return policy.on_arrival(r, g, due.reshape((-1,) + (1,) * g.ndim), ok, s)
-
-        if not policy.stateful:
-            return v.update(r_leaves, g_leaves, lambda r, g: mix(r, g)[0], 1), None
-        pieces = zip(v.gather(r_leaves, 1), v.gather(g_leaves), v.gather(s_leaves, 1))
-        new_r, new_s = zip(*[mix(r, g, s) for r, g, s in pieces])
-        return v.scatter(r_leaves, list(new_r), 1), v.scatter(s_leaves, list(new_s), 1)
+        arrival = Arrival(v, g_leaves, merging[:, v.p], keep[v.p], spec.memory.fetch)
+        return spec.plugin.on_arrival(arrival, *carry)
 
     arriving = spec.schedule.arriving(state.step, state.sent_at)
-    carry = (r_leaves, _maybe_leaves(state.merge_state))
-    r_leaves, s_leaves = layout.for_each(
+    carry = (r_leaves, state.plugin_state)
+    layout = spec.layout(state.global_params)
+    r_leaves, plugin_state = layout.for_each(
         arriving, one, carry, _leaves(state.global_params)
     )
     replicas = eqx.combine(jax.tree.unflatten(r_def, r_leaves), static)
-    merge_state = _maybe_tree(state.merge_state, s_leaves)
-    return state._replace(replica_params=replicas, merge_state=merge_state), merging
+    return state._replace(replica_params=replicas, plugin_state=plugin_state), merging
 
 
 def _check_outer(
@@ -869,77 +788,38 @@ def _check_outer(
         check_outer(outer, shapes)
 
 
-def _check_options(
-    alpha, nonfinite, compressor, error_feedback, fragments, heal, weighting, merge
-):
-    """Validate `streaming_diloco`'s options; returns the compressing stages, the
-    error feedback (or None) and the merge policy."""
+def _check_options(alpha, nonfinite, compressor, plugins, aggregator, fragments, heal):
+    """Validate `streaming_diloco`'s options; returns the compressor and the
+    plug-ins as one chain that merges (the α-merge added when none does)."""
     if heal not in HEAL_POLICIES:
         raise ValueError(f"heal={heal!r}; allowed: {HEAL_POLICIES}.")
-    if weighting not in WEIGHTINGS:
-        raise ValueError(f"weighting={weighting!r}; allowed: {WEIGHTINGS}.")
-    if not 0 <= alpha <= 1:
-        raise ValueError(f"alpha={alpha!r}; must be in [0, 1].")
     if nonfinite not in NONFINITE_POLICIES:
         raise ValueError(f"nonfinite={nonfinite!r}; allowed: {NONFINITE_POLICIES}.")
+    if alpha is not None and (isinstance(alpha, bool) or not 0 <= alpha <= 1):
+        raise ValueError(f"alpha={alpha!r}; must be in [0, 1].")
+    feedback = None
     if isinstance(compressor, str):
-        compressor = parse(compressor)
+        compressor, feedback = parse_with_feedback(compressor)
     if compressor is not None and not isinstance(compressor, Compressor):
         raise ValueError(
             f"compressor={compressor!r} is not a Compressor; build one with "
-            "sdiloco.quantizer(...), chain(...), top_k(...) or a spec string."
-        )
-    codec, feedback = split_feedback(compressor)
-    if error_feedback and codec is None:
-        raise ValueError("error_feedback=True needs a compressor; got compressor=None.")
-    if error_feedback and feedback is not None:
-        raise ValueError(
-            "error_feedback=True with a compressor that ends in error_feedback(...); "
-            "allowed: one of the two."
-        )
-    if error_feedback:
-        feedback = ErrorFeedback(1.0)
-    if weighting == "tokens" and feedback is not None:
-        raise ValueError(
-            "weighting='tokens' with error_feedback=True; allowed: one of the two "
-            "(the residual of a reweighted Δ is not the replica's own)."
+            "sdiloco.quantizer(...), compression.chain(...), top_k(...) or a spec "
+            "string."
         )
     if fragments is not None and not isinstance(fragments, Fragments):
         raise ValueError(f"fragments={fragments!r} is not a Fragments.")
-    policy = merge_policy(merge, alpha)
-    if policy.acts_on_send and weighting != "uniform":
+    check_aggregator(aggregator)
+    plugin = as_plugin(plugins)
+    if feedback is not None:
+        plugin = chain(feedback, *plugin.plugins)
+    if plugin.merges and alpha is not None:
         raise ValueError(
-            f"merge={merge!r} with weighting={weighting!r}; allowed: "
-            "weighting='uniform' (a stand-in is the replica's own, unweighted Δ)."
+            f"alpha={alpha!r} with plugins that merge ({plugin}); allowed: one of "
+            "the two (alpha builds the α-merge)."
         )
-    return codec, feedback, policy
-
-
-def _deltas_sent(
-    spec: StreamingSpec,
-    v: Visit,
-    g_leaves: list[Array],
-    r_leaves: list[Array],
-    residual: list[Array] | None,
-    sends: Bool[Array, " M"] | None,
-    weights: Array | None,
-) -> list[Array]:
-    """What each replica sends of fragment `v` (before compression): its Δ, plus its
-    error-feedback residual, zero for a replica not sending, scaled by its token
-    weight `M·w_m / Σw` (so that the exchange's mean is the weighted mean)."""
-    deltas = _outer_gradients(spec, v, g_leaves, r_leaves)
-    if spec.feedback is not None:  # error feedback: what the last sends left out
-        assert residual is not None  # the state holds one with error feedback
-        residual = v.gather(residual, 1)
-        deltas = [spec.feedback.accumulate(d, e) for d, e in zip(deltas, residual)]
-    if sends is not None:  # nothing of a replica that does not send
-        deltas = [where_replicas(sends, d, jnp.zeros_like(d)) for d in deltas]
-    if weights is not None:
-        w = weights[:, v.p]
-        deltas = [
-            d * w.reshape((-1,) + (1,) * (d.ndim - 1)).astype(d.dtype) for d in deltas
-        ]
-    return deltas
+    if not plugin.merges:
+        plugin = chain(*plugin.plugins, alpha_merge(0.5 if alpha is None else alpha))
+    return compressor, plugin
 
 
 def _schedule(sync_every, fragments, num_replicas, overlap, first_send) -> Schedule:
@@ -954,15 +834,6 @@ def _bits_per_fragment(spec: StreamingSpec, params: Params) -> np.ndarray:
     return communication.bits_per_fragment(spec.compressor, spec.fragments_of(arrays))
 
 
-def _outer_gradients(
-    spec: StreamingSpec, v: Visit, g_leaves: list[Array], r_leaves: list[Array]
-) -> list[Array]:
-    """Fragment `v`'s `Δ_m = θ_g − θ_m`, `[M, ...]` per piece, in the wide dtype."""
-    g = [spec.memory.fetch(x) for x in v.gather(g_leaves)]
-    r = v.gather(r_leaves, axis=1)
-    return communication.outer_gradients(g, r)
-
-
 def _write_message(layout: Layout, outbox: Array, p: Array, messages: Array) -> Array:
     """`outbox` `[M, K, B]` with fragment p's messages `[M, b]` in p's slot."""
     k = jnp.asarray(layout.slot_of)[p]
@@ -975,7 +846,7 @@ def _outcome(
 ) -> tuple[Bool[Array, " P"], Bool[Array, " P"]]:
     """Which fragments take their outer step at t, and which of them arrived with a
     non-finite outer gradient (`outer_update`'s report)."""
-    due = spec.schedule.outer_due(state.step, state.sent_at) & (state.senders > 0)
+    due = spec.schedule.outer_due(state.step, state.sent_at) & _sent(state)
     failed = due & ~state.inflight_ok
     applied = due if spec.nonfinite == "apply" else due & state.inflight_ok
     return applied, failed
@@ -989,8 +860,9 @@ def _to_host(tree: Any) -> Any:
     )
 
 
-def _finite(values: list[Array]) -> Array:
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(v)) for v in values]))
+def _sent(state: StreamingState) -> Bool[Array, " P"]:
+    """Whether any replica sent the Δ in flight of each fragment."""
+    return jnp.any(state.senders, axis=1)
 
 
 def _deltas_like(spec: StreamingSpec, group: Group, leaves: list[Any]) -> list[Any]:

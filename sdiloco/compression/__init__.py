@@ -8,8 +8,7 @@ One concept per module:
   rounding onto them;
 - `quantizers`: `Quantizer` (per-group amax scaling) and its factory `quantizer`;
 - `sparsifiers`: FedDropout, DARE and Top-K with their factories;
-- `stages`: `chain` (compression as stages), `chunked_top_k`, `min_max` and
-  `error_feedback`;
+- `stages`: `chain` (compression as stages), `chunked_top_k` and `min_max`;
 - `spec`: `parse`, a readable spec of a compressor ("topk:0.02/64,int2,ef:0.9").
 """
 
@@ -32,14 +31,12 @@ from .sparsifiers import (
     fed_dropout as fed_dropout,
     top_k as top_k,
 )
-from .spec import parse as parse
+from .spec import parse as parse, parse_with_feedback as parse_with_feedback
 from .stages import (
     Chain as Chain,
     ChunkedTopK as ChunkedTopK,
-    ErrorFeedback as ErrorFeedback,
     MinMax as MinMax,
     chain as chain,
     chunked_top_k as chunked_top_k,
-    error_feedback as error_feedback,
     min_max as min_max,
 )

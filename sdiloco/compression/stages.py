@@ -1,4 +1,4 @@
-"""Compression as stages: `chain` composes compressors, and error feedback closes it.
+"""Compression as stages: `chain` composes compressors.
 
 The methods after Streaming DiLoCo compress outer gradients in several steps: SparseLoCo
 keeps the top-k entries of each chunk, quantizes the kept values to 2 bits and feeds
@@ -10,11 +10,11 @@ own, and `chain(*stages)` composes them:
   the message before it (the kept values of a sparsifier, say), so its message nests
   there. `decode` undoes the stages in reverse order;
 * a message's bits are its fields' sizes times their widths, so a chain's `bits` is
-  exact by construction, whatever its stages;
-* `error_feedback(beta)` may end a chain. It is the one stage with state (the residual
-  of each replica, kept by the algorithm in its state) and it wraps the others: the
-  algorithm sends `Δ + β·e` through the stages before it and keeps `e ← (Δ + β·e) −
-  sent`.
+  exact by construction, whatever its stages.
+
+Stages hold no state. Error feedback, which keeps each replica's residual, is a
+plug-in (`sdiloco.plugins.error_feedback`), as is any stage that needs state; a spec
+string's closing `ef` builds it (`spec.parse_with_feedback`).
 
 Also here: `chunked_top_k` (SparseLoCo's sparsifier) and `min_max` (the affine int8
 quantizer with a range per row or block).
@@ -204,60 +204,18 @@ class MinMax(Compressor):
         return self.decode(self.encode(x, key), x.shape, x.dtype)
 
 
-class ErrorFeedback(eqx.Module):
-    """Error feedback with decay β, the last stage of a `chain`.
-
-    Its state is one residual `e` per replica and parameter, in float32 or wider,
-    zero at the start (`init`). Before the stages that compress, the replica's
-    outer gradient becomes `a = Δ + β·e` (`accumulate`); after them, `e ← a −
-    sent` (`residual`), so that what was sent plus the new residual is `Δ + β·e`.
-    β = 1 is classic error feedback; SparseLoCo's β < 1 makes the residual a decaying
-    accumulator that stands in for outer momentum.
-
-    Attributes:
-        beta: the decay of the residual, in [0, 1].
-    """
-
-    beta: float = eqx.field(default=1.0, static=True)
-
-    def __check_init__(self):
-        if isinstance(self.beta, bool) or not 0.0 <= self.beta <= 1.0:
-            raise ValueError(
-                f"error_feedback beta={self.beta!r} is not allowed; expected "
-                "0 <= beta <= 1."
-            )
-
-    def init(self, like: Array) -> Array:
-        """The zero residual of a `[M, ...]` leaf, in float32 or wider."""
-        return jnp.zeros(like.shape, compute_dtype(like.dtype))
-
-    def accumulate(self, delta: Array, residual: Array) -> Array:
-        """`Δ + β·e`: what the stages before this one compress."""
-        if self.beta == 1.0:
-            return delta + residual
-        return delta + (self.beta * residual).astype(residual.dtype)
-
-    def residual(self, accumulated: Array, sent: Array) -> Array:
-        """The new residual `a − sent`: what was not sent."""
-        return accumulated - sent
-
-
 class Chain(Compressor):
     """Compressors applied in turn (see the module docstring); built by `chain`.
 
     Attributes:
         stages: the compressing stages, first to last.
-        feedback: the closing `ErrorFeedback`, or None.
     """
 
     stages: tuple[Compressor, ...]
-    feedback: ErrorFeedback | None = None
 
     def __check_init__(self):
         if not self.stages:
-            raise ValueError(
-                "chain() needs at least one compressing stage before error_feedback."
-            )
+            raise ValueError("chain() needs at least one compressing stage.")
         for i, stage in enumerate(self.stages[:-1]):
             fields = message_shapes(stage, (64,))
             if "values" not in fields:
@@ -327,40 +285,32 @@ class Chain(Compressor):
         return widths
 
 
-def chain(*stages: Compressor | ErrorFeedback) -> Compressor:
-    """Compose compressing stages, optionally closed by `error_feedback`.
-
-    Args:
-        *stages: compressors applied in turn (each next one to the `"values"` of the
-            message before it), and optionally an `ErrorFeedback` last.
+def chain(*stages: Compressor) -> Compressor:
+    """Compose compressing stages, each applied to the `"values"` of the message
+    before it.
 
     Returns:
-        A `Chain`. The paper's E3M0 as a one-stage chain, `chain(quantizer("e3m0"))`,
-        computes bitwise what `quantizer("e3m0")` does.
+        A `Chain`, or the one stage itself (so `chain(quantizer("e3m0"))` is the
+        quantizer).
 
     Raises:
-        ValueError: on an empty chain, error feedback anywhere but last, or a stage
-            that leaves no float values for the stage after it.
+        ValueError: on an empty chain, a stage that is not a `Compressor` (error
+            feedback is a plug-in: `streaming_diloco(plugins=error_feedback(β))`),
+            or a stage that leaves no float values for the stage after it.
 
     Examples:
         >>> from sdiloco.compression import quantizer
-        >>> c = chain(chunked_top_k(0.25, chunk=8), quantizer("int2"), error_feedback(0.9))
+        >>> c = chain(chunked_top_k(0.25, chunk=8), quantizer("int2"))
         >>> c.bits((64,))  # 8 chunks x 2 kept x (2 + 3 bits) + one float32 scale
         112
     """
-    feedback = stages[-1] if stages and isinstance(stages[-1], ErrorFeedback) else None
-    codec: list[Compressor] = []
-    for i, stage in enumerate(stages[:-1] if feedback is not None else stages):
-        if isinstance(stage, ErrorFeedback):
-            raise ValueError(
-                f"chain stage {i} is error_feedback, which must be the last stage."
-            )
+    for i, stage in enumerate(stages):
         if not isinstance(stage, Compressor):
             raise ValueError(
-                f"chain stage {i}={stage!r} is not a Compressor or error_feedback."
+                f"chain stage {i}={stage!r} is not a Compressor; error feedback is a "
+                "plug-in: streaming_diloco(plugins=sdiloco.error_feedback(beta))."
             )
-        codec.append(stage)
-    return Chain(stages=tuple(codec), feedback=feedback)
+    return stages[0] if len(stages) == 1 else Chain(stages=tuple(stages))
 
 
 def chunked_top_k(fraction: float, chunk: int = 64) -> ChunkedTopK:
@@ -394,24 +344,6 @@ def min_max(
         block_size=block_size,
         rounding=rounding,
     )
-
-
-def error_feedback(beta: float = 1.0) -> ErrorFeedback:
-    """The closing stage of a `chain`: feed each replica's residual back, decayed by
-    `beta`, into its next send of the fragment."""
-    return ErrorFeedback(beta=beta)
-
-
-def split_feedback(
-    compressor: Compressor | None,
-) -> tuple[Compressor | None, ErrorFeedback | None]:
-    """`(the compressing stages, the error feedback)` of a compressor: a one-stage
-    chain without feedback is its stage, so it is bitwise that compressor."""
-    if not isinstance(compressor, Chain):
-        return compressor, None
-    stages = compressor.stages
-    codec = stages[0] if len(stages) == 1 else Chain(stages=stages)
-    return codec, compressor.feedback
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -73,15 +73,15 @@ def sharded_exchange(mesh: Mesh) -> Callable[..., tuple[list[Array], list[Array]
        (`Compressor.widths`; one bitstream per width), then the float fields' raw
        bytes (`wire.Wire`);
     3. `all_gather` of the messages over `"replica"`: this is the only collective;
-    4. every replica unpacks and decodes all M messages and averages them in the
-       wide dtype with `communication.average` (summed in replica order, then divided
-       by M), the simulation's operation in the same fixed order.
+    4. every replica unpacks and decodes all M messages and aggregates them in the
+       wide dtype with the algorithm's aggregator (the plain mean: summed in replica
+       order, then divided by M), the simulation's operation in the same order.
 
     Args:
         mesh: the replica mesh (`replica_mesh`).
 
     Returns:
-        `exchange(compressor, fragments, deltas, key) -> (mean, own)`:
+        `exchange(compressor, fragments, deltas, key, aggregate) -> (mean, own)`:
         `mean` is one replicated `[...]` array per leaf, `own` the `[M, ...]`
         reconstructions, sharded like the deltas (what error feedback subtracts).
     """
@@ -91,6 +91,7 @@ def sharded_exchange(mesh: Mesh) -> Callable[..., tuple[list[Array], list[Array]
         fragments: Fragments,
         deltas: list[Array],
         key: PRNGKeyArray,
+        aggregate: Callable[[list[Array]], list[Array]] = communication.average,
     ) -> tuple[list[Array], list[Array]]:
         num_replicas = deltas[0].shape[0]
         if num_replicas % mesh.shape[AXIS]:
@@ -103,7 +104,9 @@ def sharded_exchange(mesh: Mesh) -> Callable[..., tuple[list[Array], list[Array]
             Wire(compressor, fragments, deltas, keys, p)
             for p in range(fragments.num_fragments)
         ]
-        local = ft.partial(_exchange_local, wires, fragments, mesh.shape[DATA])
+        local = ft.partial(
+            _exchange_local, wires, fragments, mesh.shape[DATA], aggregate
+        )
         split, whole = PartitionSpec(AXIS), PartitionSpec()
         return jax.shard_map(
             local,
@@ -125,8 +128,9 @@ def replica_keys(key: PRNGKeyArray, num_leaves: int, num_replicas: int) -> list[
     return [jr.split(jr.fold_in(key, i), num_replicas) for i in range(num_leaves)]
 
 
-def _exchange_local(wires, fragments, data, deltas, keys):
-    """Per device: encode local replicas, all-gather, decode all, average (Alg. 2 l.8)."""
+def _exchange_local(wires, fragments, data, aggregate, deltas, keys):
+    """Per device: encode local replicas, all-gather, decode all, aggregate (Alg. 2
+    l.8)."""
     local = deltas[0].shape[0]
     pieces = []
     for p, wire in enumerate(wires):
@@ -135,7 +139,7 @@ def _exchange_local(wires, fragments, data, deltas, keys):
             message = jax.vmap(wire.encode)(deltas, keys)  # [local, B]
             pieces.append(jax.vmap(wire.decode)(_gather(message, data)))  # [M, ...]
     recon = assemble(wires, fragments, pieces)
-    mean = communication.average(recon)
+    mean = aggregate(recon)
     start = jax.lax.axis_index(AXIS) * local
     own = [jax.lax.dynamic_slice_in_dim(r, start, local, axis=0) for r in recon]
     return mean, own

@@ -8,15 +8,14 @@ elastic job's island). It is `sharded_exchange`'s wire format split in two halve
 - `encode` (in the sending step, `streaming.send`): each replica's Δ packed into one
   `uint8` message (`Wire`, with the simulation's PRNG keys of that replica), into the
   state's outbox;
-- `decode_mean` (in the step of the outer update, `streaming.receive`): every
-  message in the inbox decoded and averaged in the simulation's order.
+- `decode` (in the step of the outer update, `streaming.receive`): every message in
+  the inbox decoded, for the algorithm's aggregator.
 
 What moves the outbox to the inbox in between is a `Courier` and its `Transport`.
 An island's message carries one more byte, 1, that marks it present: a row of
-zeros in its inbox is an island that was not a member of the round, left out of
-the mean, which is rescaled to the members (`participation.over_senders`), as the
-simulation does with a replica that does not send; with every island present that
-scale is exactly 1, so the numbers are those of the simulation.
+zeros in its inbox is an island that was not a member of the round, which the
+aggregator leaves out, as the simulation does with a replica that does not send;
+with every island present, the numbers are those of the simulation.
 """
 
 import jax
@@ -104,25 +103,24 @@ class _Posted:
             check_vma=False,
         )(deltas, keys)
 
-    def decode_mean(
+    def decode(
         self,
         compressor: Compressor | None,
         fragments: Fragments,
         messages: Array,
         deltas,
         key: PRNGKeyArray,
-    ) -> list[Array]:
+    ) -> tuple[list[Array], Array | None]:
         wire, _ = self._wire(compressor, fragments, deltas, key)
         if not self._mark:
             recon = assemble([wire], fragments, [jax.vmap(wire.decode)(messages)])
-            return communication.average(recon)
+            return recon, None
         present = messages[:, -1] == 1
         recon = assemble([wire], fragments, [jax.vmap(wire.decode)(messages[:, :-1])])
         recon = [
             participation.where_replicas(present, r, jnp.zeros_like(r)) for r in recon
         ]
-        mean = communication.average(recon)
-        return participation.over_senders(mean, jnp.sum(present), len(present))
+        return recon, present
 
     def inbox_rows(self, num_replicas: int) -> int:
         return num_replicas if self.island is None else self.island[1]

@@ -21,13 +21,15 @@ from ..compression import (
     Compressor,
     dare,
     fed_dropout,
-    parse,
+    parse_with_feedback,
     quantizer,
     top_k,
 )
 from ..data_parallel import data_parallel
 from ..fedpart import freeze_unsynced
 from ..fragments import Fragments, fragments_by_layer
+from ..merging import eager
+from ..plugins import Plugin, error_feedback
 from ..schedule import make_schedule
 from ..streaming import NONFINITE_POLICIES, diloco, streaming_diloco
 from . import fields
@@ -211,7 +213,7 @@ class StreamingConfig:
     """Policy for a non-finite outer gradient: "skip", "apply" or "raise"."""
     outer: OuterConfig = dataclasses.field(default_factory=OuterConfig)
     compressor: str | None = fields.new_field(None)
-    """A compressor spec (`sdiloco.compression.parse`), e.g. "int2,ef" or
+    """A compressor spec (`sdiloco.compression.parse_with_feedback`), e.g. "int2,ef" or
     "topk:0.03/64,int2,ef:0.9" (chunked top-k, 2-bit, error feedback with decay), in
     place of `quantizer`/`sparsifier` (set those to None); None: those fields say."""
     merge: str = fields.new_field("alpha")
@@ -245,11 +247,17 @@ class StreamingConfig:
             "StreamingConfig.drop_rate", self.drop_rate, 0, 1, "[0, 1)", True
         )
         fields.choice("StreamingConfig.merge", self.merge, MERGES)
+        if self.merge != "alpha" and self.alpha != 0.5:
+            raise ValueError(
+                f"StreamingConfig.alpha={self.alpha!r} with merge={self.merge!r}, "
+                "which does not mix with α; allowed: merge='alpha', or alpha at its "
+                "default 0.5 (unused)."
+            )
         if self.compressor is not None:
             if not isinstance(self.compressor, str):
                 raise ValueError(
                     f"StreamingConfig.compressor={self.compressor!r}; allowed: a "
-                    "spec string such as 'int2,ef' (sdiloco.compression.parse)."
+                    "spec string such as 'int2,ef' (sdiloco.compression.parse_with_feedback)."
                 )
             for old in ("quantizer", "sparsifier"):
                 if getattr(self, old) is not None:
@@ -272,13 +280,44 @@ class StreamingConfig:
                 num_replicas=self.num_replicas,
                 sync_every=self.sync_every,
                 overlap=self.overlap,
-                alpha=self.alpha,
+                alpha=self._alpha(),
                 compressor=compressor,
-                error_feedback=self.error_feedback,
-                merge=self.merge,
+                plugins=self.build_plugins(),
             )
         except ValueError as e:
             raise ValueError(f"StreamingConfig: {e}") from None
+
+    def _alpha(self) -> float | None:
+        """α for the α-merge (None with another merge)."""
+        return self.alpha if self.merge == "alpha" else None
+
+    def build_plugins(self) -> tuple[Plugin, ...]:
+        """The plug-ins this config describes: error feedback (the flag, or a
+        compressor spec's closing `ef`) and a merge other than the α-merge.
+
+        Raises:
+            ValueError: on error feedback given twice, naming both.
+        """
+        plugins: list[Plugin] = []
+        feedback = None
+        if self.compressor is not None:
+            try:
+                feedback = parse_with_feedback(self.compressor)[1]
+            except ValueError as e:
+                raise ValueError(f"StreamingConfig.{e}") from None
+        if self.error_feedback and feedback is not None:
+            raise ValueError(
+                f"StreamingConfig.error_feedback=True with compressor="
+                f"{self.compressor!r}, which ends in error feedback; allowed: one of "
+                "the two."
+            )
+        if self.error_feedback:
+            plugins.append(error_feedback(1.0))
+        if feedback is not None:
+            plugins.append(feedback)
+        if self.merge == "eager":
+            plugins.append(eager())
+        return tuple(plugins)
 
     def build_compressor(self) -> Compressor | None:
         """The outer-gradient compressor this config describes (None: float32).
@@ -288,7 +327,7 @@ class StreamingConfig:
         """
         if self.compressor is not None:
             try:
-                return parse(self.compressor)
+                return parse_with_feedback(self.compressor)[0]
             except ValueError as e:
                 raise ValueError(f"StreamingConfig.{e}") from None
         if self.sparsifier == "fed_dropout":
@@ -343,11 +382,10 @@ class StreamingConfig:
             sync_every=self.sync_every,
             fragments=fragments,
             overlap=self.overlap,
-            alpha=self.alpha,
+            alpha=self._alpha(),
             compressor=self.build_compressor(),
-            error_feedback=self.error_feedback,
+            plugins=self.build_plugins(),
             nonfinite=self.nonfinite,
-            merge=self.merge,
             has_aux=has_aux,
             **kwargs,
         )

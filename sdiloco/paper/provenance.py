@@ -48,7 +48,8 @@ import jax.random as jr
 import numpy as np
 
 from .. import __version__, compression
-from ..compression.stages import split_feedback
+from ..inflight import Group, Visit
+from ..plugins import Send
 from ..lab import train
 from ..lab.config import RunConfig, preset
 from ..sim.chaos import Failures
@@ -137,13 +138,19 @@ def _compressor_probe(h: Any) -> None:
     x = jr.normal(jr.key(0), (8, 96)) * jnp.logspace(-3, 1, 96)[None, :]
     key = jr.key(1)
 
+    whole = Group((0,), (0,), (None,), (x.shape[1:],))  # one leaf, one fragment
+    send = Send(Visit(whole, jnp.int32(0), (None,)), None, [], lambda g: g)
+
     def apply(codec, feedback, x, key):
-        delta = x if feedback is None else feedback.accumulate(x, 0.5 * x[::-1])
+        if feedback is None:
+            sent = codec(x, key)
+            return sent, sent
+        (delta,), state = feedback.before_send(send, [x], [0.5 * x[::-1]])
         sent = codec(delta, key)
-        residual = sent if feedback is None else feedback.residual(delta, sent)
+        _, (residual,) = feedback.after_send(send, [delta], [sent], [], state)
         return sent, residual
 
-    stages = [split_feedback(compression.parse(spec)) for spec in COMPRESSOR_SPECS]
+    stages = [compression.parse_with_feedback(spec) for spec in COMPRESSOR_SPECS]
     outs = jax.jit(lambda x, key: [apply(c, f, x, key) for c, f in stages])(x, key)
     for spec, out in zip(COMPRESSOR_SPECS, outs):
         h.update(spec.encode())
