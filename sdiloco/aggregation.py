@@ -116,7 +116,8 @@ class TrimmedMean(Aggregator):
         del steps
         sent = sent & _finite_rows(rows)
         n = jnp.sum(sent)
-        k = jnp.minimum(jnp.floor(self.trim * n).astype(n.dtype), (n - 1) // 2)
+        k = jnp.floor(self.trim * n.astype(jnp.float32)).astype(n.dtype)
+        k = jnp.minimum(k, (n - 1) // 2)
         return _middle_mean(rows, sent, k)
 
 

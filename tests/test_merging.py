@@ -1,7 +1,7 @@
-"""Tests for sdiloco.merging: merge policies as a seam of the algorithm.
+"""Tests for sdiloco.merging: the merges as plug-ins of the algorithm.
 
 Limit cases of Eager (τ = 0 is α = 0; one replica is the outer step without delay),
-a policy written by a user, the policy state checkpointed, restored and healed like
+a merge written by a user, the plug-in state checkpointed, restored and healed like
 the rest of the state, and bad input. The float64 reference of Eager's update is in
 `test_reference.py`.
 """
@@ -21,6 +21,9 @@ from sdiloco.lab.checkpoint import Checkpointer
 
 def _alg(*, M=2, tau=1, merge="eager", alpha=0.5, compressor=None, H=4):
     params = toy_params(jr.key(0))
+    plugins = sdiloco.eager() if merge == "eager" else merge
+    plugins = () if merge == "alpha" else plugins
+    alpha = alpha if merge == "alpha" else None
     return params, sdiloco.streaming_diloco(
         toy_loss,
         inner=relaxed(optax.adamw(0.05)),
@@ -32,8 +35,16 @@ def _alg(*, M=2, tau=1, merge="eager", alpha=0.5, compressor=None, H=4):
         overlap=tau,
         alpha=alpha,
         compressor=compressor,
-        merge=merge,
+        plugins=plugins,
     )
+
+
+def _merge_state(alg, state, params):
+    """The merging plug-in's state as a tree like `params` (`[M, ...]` leaves)."""
+    chain = alg.spec.plugin
+    k = next(i for i, p in enumerate(chain.plugins) if p.merges)
+    arrays = eqx.filter(params, eqx.is_inexact_array)
+    return jax.tree.unflatten(jax.tree.structure(arrays), state.plugin_state[k])
 
 
 def _run(alg, params, steps, M, state=None):
@@ -80,20 +91,27 @@ def test_eager_with_one_replica_is_the_outer_step_without_delay():
     )
 
 
-class Halfway(sdiloco.MergePolicy):
-    """A user's policy: on arrival, move halfway from the replica to θ_g, and keep a
-    count of the merges per element (to exercise policy state)."""
+class Halfway(sdiloco.Plugin):
+    """A user's merge: on arrival, move halfway from the replica to θ_g, and keep a
+    count of the merges per element (to exercise plug-in state)."""
 
-    @property
-    def stateful(self) -> bool:
-        return True
+    merges = True
 
-    def init(self, replica):
-        return jnp.zeros_like(replica)
+    def init(self, params, num_replicas, num_fragments):
+        return [jnp.zeros((num_replicas,) + x.shape, x.dtype) for x in params]
 
-    def on_arrival(self, replica, global_, due, ok, state):
-        new = jnp.where(ok[None], 0.5 * replica + 0.5 * global_[None], global_[None])
-        return jnp.where(due, new, replica), state + due.astype(state.dtype)
+    def on_arrival(self, arrival, replicas, state):
+        v, new, counts = arrival.visit, [], []
+        pieces = zip(
+            v.gather(replicas, 1), v.gather(arrival.global_), v.gather(state, 1)
+        )
+        for r, g, c in pieces:
+            g = arrival.fetch(g)[None]
+            due = arrival.due.reshape((-1,) + (1,) * (r.ndim - 1))
+            mixed = jnp.where(arrival.ok, 0.5 * r + 0.5 * g, g)
+            new.append(jnp.where(due, mixed, r))
+            counts.append(c + due.astype(c.dtype))
+        return v.scatter(replicas, new, 1), v.scatter(state, counts, 1)
 
 
 @pytest.mark.two_programs
@@ -102,7 +120,7 @@ def test_a_users_policy_is_the_alpha_merge_it_restates():
     _, alpha = _alg(merge="alpha", alpha=0.5)
     a, b = _run(mine, params, 14, 2), _run(alpha, params, 14, 2)
     assert tree_difference(a.replica_params, b.replica_params) is None
-    counts = np.asarray(a.merge_state["v"])  # fragment 0 merged at steps 5, 9, 13
+    counts = np.asarray(_merge_state(mine, a, params)["v"])  # fragment 0 merged at steps 5, 9, 13
     np.testing.assert_array_equal(counts, np.full_like(counts, 3.0))
 
 
@@ -110,12 +128,13 @@ def test_policy_state_is_checkpointed_and_restored_bitwise(tmp_path):
     params, alg = _alg(compressor="int4,ef")
     whole = _run(alg, params, 14, 2)
     half = _run(alg, params, 9, 2)
-    assert tree_difference(half.merge_state, alg.init(params).merge_state) is not None
+    fresh = alg.init(params).plugin_state
+    assert tree_difference(half.plugin_state, fresh) is not None
     ckpt = Checkpointer(tmp_path, config_json="{}")
     ckpt.save(9, half, {})
     template = alg.init(params, jr.key(7))
     restored, _ = ckpt.restore(template)
-    assert tree_difference(restored.merge_state, half.merge_state) is None
+    assert tree_difference(restored.plugin_state, half.plugin_state) is None
     resumed = _run(alg, params, 14, 2, state=restored)
     assert tree_difference(resumed, whole) is None
 
@@ -130,15 +149,19 @@ def test_a_replica_that_comes_back_starts_its_policy_state_from_theta_g():
     back = sdiloco.everyone(2)
     state, _ = step(state, batch, back)
     g = np.asarray(state.global_params["v"])
-    np.testing.assert_array_equal(np.asarray(state.merge_state["v"])[1], g)
+    np.testing.assert_array_equal(np.asarray(_merge_state(alg, state, params)["v"])[1], g)
 
 
 def test_bad_merge_is_refused_before_any_compute():
-    with pytest.raises(ValueError, match="merge='lazy'; allowed: one of"):
-        _alg(merge="lazy")
-    with pytest.raises(ValueError, match="merge='eager' with weighting='tokens'"):
+    with pytest.raises(ValueError, match="alpha=0.3 with plugins that merge"):
         sdiloco.streaming_diloco(
-            toy_loss, inner=optax.sgd(0.1), merge="eager", weighting="tokens"
+            toy_loss, inner=optax.sgd(0.1), alpha=0.3, plugins=sdiloco.eager()
+        )
+    with pytest.raises(ValueError, match="each merge the outer step; allowed: one"):
+        sdiloco.streaming_diloco(
+            toy_loss,
+            inner=optax.sgd(0.1),
+            plugins=(sdiloco.eager(), sdiloco.alpha_merge(0.5)),
         )
     with pytest.raises(ValueError, match=r"alpha=1.5; must be in \[0, 1\]"):
         sdiloco.AlphaMerge(1.5)
@@ -154,7 +177,8 @@ def test_eager_compiles_once_and_keeps_the_state_stable(dtype):
     for b in toy_batches(jr.key(1), steps=10, replicas=2, dtype=dtype):
         state, metrics = step(state, b)
         assert jax.tree.map(lambda x: (x.shape, x.dtype), state) == before
-    assert all(x.dtype == dtype for x in jax.tree.leaves(state.merge_state))
+    stand_ins = jax.tree.leaves(_merge_state(alg, state, params))
+    assert stand_ins and all(x.dtype == dtype for x in stand_ins)
     cond_step = jax.jit(
         lambda s, b, p: jax.lax.cond(p, lambda s: alg.step(s, b)[0], lambda s: s, s)
     )
@@ -173,9 +197,10 @@ def test_a_replica_that_does_not_send_applies_no_stand_in():
     state, metrics = jax.jit(alg.step)(state, batch, quiet)
     assert bool(np.asarray(metrics["sync/sent"])[0])  # fragment 0 ("v") was sent
     g = np.asarray(state.global_params["v"])
-    np.testing.assert_array_equal(np.asarray(state.merge_state["v"])[1], g)
-    mine = np.asarray(state.merge_state["v"])[0]
+    stand_in = np.asarray(_merge_state(alg, state, params)["v"])
+    np.testing.assert_array_equal(stand_in[1], g)
+    mine = stand_in[0]
     np.testing.assert_array_equal(mine, np.asarray(state.replica_params["v"])[0])
     assert not np.array_equal(mine, g)  # the sender did step from θ_g
     # the stale state of the last round would have been the sender's old stand-in
-    assert not np.array_equal(np.asarray(before.merge_state["v"])[1], g)
+    assert not np.array_equal(np.asarray(_merge_state(alg, before, params)["v"])[1], g)

@@ -29,7 +29,7 @@ import optax
 import optax.contrib
 
 from ..sim.chaos import Failures
-from . import fields, model as model_lib
+from . import fields, model as model_lib, objects
 from .methods import (
     METHODS as METHODS,
     SPARSIFIERS as SPARSIFIERS,
@@ -88,6 +88,11 @@ class InnerConfig:
     optax's Muon does). Both sides take the schedule, `eps` and `weight_decay`; Muon's
     updates are scaled to an RMS of 0.2 (`consistent_rms`, Liu et al. 2025), about
     AdamW's, so that one learning rate serves both."""
+    transform: Any = fields.object_field(None)
+    """An optax transformation to use as it is, instead of the one the fields above
+    describe (which are then not used): e.g. `lab.objects.call(optax.lion,
+    learning_rate=1e-4)`, which `config.json` can re-create, or any
+    `optax.GradientTransformation` object, which it records by name only."""
 
     def __post_init__(self):
         fields.choice("InnerConfig.kind", self.kind, INNER_KINDS)
@@ -147,7 +152,10 @@ class InnerConfig:
         does the initial value where the step itself initialises a state (a
         replica that comes back without a live peer, in a run with `failures`):
         such runs share a program across failure traces, not learning rates.
+        A `transform` is returned as it is.
         """
+        if self.transform is not None:
+            return objects.build(self.transform)
         adamw = optax.inject_hyperparams(
             lambda learning_rate: self._optimizer(
                 self.schedule(total_steps, peak=learning_rate)

@@ -6,6 +6,10 @@ builds any config (nested configs from dicts, tuples from lists, unknown fields
 refused); a field typed as a union of configs that carry a `kind` (the method configs)
 is built from the class whose `kind` the data names.
 
+A field that holds an object (a transform, a plug-in, an aggregator) is declared
+with `object_field(default)`: `to_dict` records it with `objects.encode` and
+`from_dict` builds it with `objects.decode`.
+
 A field added after records were written is declared with `new_field(default)`:
 `to_dict` leaves it out while it holds its default, so the JSON of every config that
 does not use it, and the run-record keys hashed from that JSON
@@ -19,8 +23,11 @@ import types
 import typing
 from typing import Any
 
+from . import objects
+
 
 _NEW = "sdiloco.new_field"
+_OBJECT = "sdiloco.object_field"
 
 
 def from_dict(cls: Any, data: dict) -> Any:
@@ -39,10 +46,13 @@ def from_dict(cls: Any, data: dict) -> Any:
             raise ValueError(f"kind={kind!r} for a {cls.__name__} ({cls.kind!r}).")
     check_fields(cls, data)
     hints = typing.get_type_hints(cls)
+    objects_ = {f.name for f in dataclasses.fields(cls) if f.metadata.get(_OBJECT)}
     kwargs = {}
     for name, value in data.items():
         hint = hints[name]
-        if isinstance(value, dict) and _is_config_union(hint):
+        if name in objects_:
+            value = objects.decode(value, f"{cls.__name__}.{name}")
+        elif isinstance(value, dict) and _is_config_union(hint):
             value = from_dict(hint, value)
         elif isinstance(value, dict) and dataclasses.is_dataclass(hint):
             value = from_dict(hint, value)
@@ -60,14 +70,23 @@ def new_field(default: Any) -> Any:
     return dataclasses.field(default=default, metadata={_NEW: True})
 
 
+def object_field(default: Any) -> Any:
+    """A `new_field` that holds an object (`objects`): recorded by name and
+    arguments."""
+    return dataclasses.field(default=default, metadata={_NEW: True, _OBJECT: True})
+
+
 def to_dict(config: Any) -> Any:
-    """`dataclasses.asdict`, leaving out every `new_field` that holds its default."""
+    """`dataclasses.asdict`, leaving out every `new_field` that holds its default
+    (object fields recorded with `objects.encode`)."""
     if dataclasses.is_dataclass(config) and not isinstance(config, type):
-        return {
-            f.name: to_dict(getattr(config, f.name))
-            for f in dataclasses.fields(config)
-            if not (f.metadata.get(_NEW) and getattr(config, f.name) == f.default)
-        }
+        out = {}
+        for f in dataclasses.fields(config):
+            value = getattr(config, f.name)
+            if f.metadata.get(_NEW) and _same(value, f.default):
+                continue
+            out[f.name] = objects.encode(value) if f.metadata.get(_OBJECT) else to_dict(value)
+        return out
     if isinstance(config, tuple | list):
         return type(config)(to_dict(v) for v in config)
     if isinstance(config, dict):
@@ -164,3 +183,14 @@ def _member(union: Any, kind: Any) -> type:
     if kind not in members:
         raise ValueError(f"method kind={kind!r}; allowed: {sorted(members)}.")
     return members[kind]
+
+
+def _same(value: Any, default: Any) -> bool:
+    """Whether a field holds its default (an object compared by identity first:
+    an array-holding module's `==` is not a bool)."""
+    if value is default:
+        return True
+    try:
+        return bool(value == default)
+    except (TypeError, ValueError):  # an object whose == is elementwise
+        return False

@@ -32,7 +32,7 @@ from ..merging import eager
 from ..plugins import Plugin, error_feedback
 from ..schedule import make_schedule
 from ..streaming import NONFINITE_POLICIES, diloco, streaming_diloco
-from . import fields
+from . import fields, objects
 
 
 SPARSIFIERS = ("fed_dropout", "dare", "top_k")
@@ -69,6 +69,9 @@ class OuterConfig:
     """"adam" only: decay of the second moment."""
     eps: float = fields.new_field(1e-8)
     """"adam" only: added to the denominator."""
+    transform: Any = fields.object_field(None)
+    """An optax transformation to use as it is, instead of the one the fields above
+    describe (see `InnerConfig.transform`)."""
 
     def __post_init__(self):
         fields.choice("OuterConfig.kind", self.kind, OUTER_KINDS)
@@ -92,7 +95,10 @@ class OuterConfig:
         `optax.sgd(lr)` or `optax.adam(lr, b1, b2, eps)`, with the learning rate and
         the momentum (not Adam's decays) values of its state (`optax.inject_hyperparams`), not constants
         of the program: runs that differ only in them (the trials of a sweep)
-        compile one program. The numbers are those of the plain transforms."""
+        compile one program. The numbers are those of the plain transforms. A
+        `transform` is returned as it is."""
+        if self.transform is not None:
+            return objects.build(self.transform)
         if self.kind == "adam":
             static = ("b1", "b2", "eps")
             return optax.inject_hyperparams(optax.adam, static_args=static)(
@@ -212,14 +218,22 @@ class StreamingConfig:
     nonfinite: str = "skip"
     """Policy for a non-finite outer gradient: "skip", "apply" or "raise"."""
     outer: OuterConfig = dataclasses.field(default_factory=OuterConfig)
-    compressor: str | None = fields.new_field(None)
+    compressor: Any = fields.object_field(None)
     """A compressor spec (`sdiloco.compression.parse_with_feedback`), e.g. "int2,ef" or
-    "topk:0.03/64,int2,ef:0.9" (chunked top-k, 2-bit, error feedback with decay), in
-    place of `quantizer`/`sparsifier` (set those to None); None: those fields say."""
+    "topk:0.03/64,int2,ef:0.9" (chunked top-k, 2-bit, error feedback with decay), or
+    a `Compressor` object, in place of `quantizer`/`sparsifier` (set those to None);
+    None: those fields say."""
     merge: str = fields.new_field("alpha")
     """How a replica takes in a fragment's outer step (`sdiloco.merging`): "alpha"
     (the paper's α-merge) or "eager" (its own outer gradient's step as a stand-in
     during the overlap, corrected on arrival; Kale et al., arXiv 2502.12996)."""
+    plugins: tuple = fields.object_field(())
+    """Plug-ins as objects (`sdiloco.plugins.Plugin`), after the error feedback and
+    the merge the fields above describe. A merging one replaces `merge` and `alpha`
+    (leave those at their defaults)."""
+    aggregator: Any = fields.object_field(None)
+    """How the senders' outer gradients become one, as an object
+    (`sdiloco.aggregation`, e.g. `median()`); None: the plain mean."""
 
     def __post_init__(self):
         if isinstance(self.overlap, list):
@@ -247,6 +261,18 @@ class StreamingConfig:
             "StreamingConfig.drop_rate", self.drop_rate, 0, 1, "[0, 1)", True
         )
         fields.choice("StreamingConfig.merge", self.merge, MERGES)
+        if isinstance(self.plugins, list):
+            object.__setattr__(self, "plugins", tuple(self.plugins))
+        if not isinstance(self.plugins, tuple):
+            object.__setattr__(self, "plugins", (self.plugins,))
+        if any(getattr(p, "merges", False) for p in self.plugins) and (
+            self.merge != "alpha" or self.alpha != 0.5
+        ):
+            raise ValueError(
+                f"StreamingConfig.plugins={self.plugins!r} hold a merge, with merge="
+                f"{self.merge!r}, alpha={self.alpha!r}; allowed: one merge (leave "
+                "merge and alpha at their defaults)."
+            )
         if self.merge != "alpha" and self.alpha != 0.5:
             raise ValueError(
                 f"StreamingConfig.alpha={self.alpha!r} with merge={self.merge!r}, "
@@ -254,10 +280,11 @@ class StreamingConfig:
                 "default 0.5 (unused)."
             )
         if self.compressor is not None:
-            if not isinstance(self.compressor, str):
+            if not isinstance(self.compressor, str | Compressor):
                 raise ValueError(
                     f"StreamingConfig.compressor={self.compressor!r}; allowed: a "
-                    "spec string such as 'int2,ef' (sdiloco.compression.parse_with_feedback)."
+                    "spec string such as 'int2,ef' (sdiloco.compression."
+                    "parse_with_feedback) or a Compressor."
                 )
             for old in ("quantizer", "sparsifier"):
                 if getattr(self, old) is not None:
@@ -283,13 +310,20 @@ class StreamingConfig:
                 alpha=self._alpha(),
                 compressor=compressor,
                 plugins=self.build_plugins(),
+                **self._aggregator(),
             )
         except ValueError as e:
             raise ValueError(f"StreamingConfig: {e}") from None
 
     def _alpha(self) -> float | None:
         """α for the α-merge (None with another merge)."""
+        if any(getattr(p, "merges", False) for p in self.plugins):
+            return None
         return self.alpha if self.merge == "alpha" else None
+
+    def _aggregator(self) -> dict[str, Any]:
+        """`aggregator=` for `streaming_diloco` (nothing: its default mean)."""
+        return {} if self.aggregator is None else {"aggregator": self.aggregator}
 
     def build_plugins(self) -> tuple[Plugin, ...]:
         """The plug-ins this config describes: error feedback (the flag, or a
@@ -300,7 +334,7 @@ class StreamingConfig:
         """
         plugins: list[Plugin] = []
         feedback = None
-        if self.compressor is not None:
+        if isinstance(self.compressor, str):
             try:
                 feedback = parse_with_feedback(self.compressor)[1]
             except ValueError as e:
@@ -317,7 +351,7 @@ class StreamingConfig:
             plugins.append(feedback)
         if self.merge == "eager":
             plugins.append(eager())
-        return tuple(plugins)
+        return tuple(plugins) + tuple(self.plugins)
 
     def build_compressor(self) -> Compressor | None:
         """The outer-gradient compressor this config describes (None: float32).
@@ -325,6 +359,8 @@ class StreamingConfig:
         Raises:
             ValueError: on a bad `compressor` spec, naming it and what is allowed.
         """
+        if isinstance(self.compressor, Compressor):
+            return self.compressor
         if self.compressor is not None:
             try:
                 return parse_with_feedback(self.compressor)[0]
@@ -387,6 +423,7 @@ class StreamingConfig:
             plugins=self.build_plugins(),
             nonfinite=self.nonfinite,
             has_aux=has_aux,
+            **self._aggregator(),
             **kwargs,
         )
 

@@ -11,8 +11,9 @@ Every run record written by `experiments.run_one` carries `"code"` (`code()`):
 **The numerics fingerprint.** `probes()` trains or applies a few fixed tiny programs and
 hashes what they compute (`PROBES`): Streaming DiLoCo with overlapped FP4, Data-Parallel,
 DiLoCo with M = 4 and one replica absent for three steps then healed, MuLoCo (Muon
-inside, 2-bit outer gradients with error feedback), Eager's merge, and every
-compressor format and stage on one fixed array. `fingerprint()` is the hash of the
+inside, 2-bit outer gradients with error feedback), Eager's merge, every
+compressor format and stage on one fixed array, and every aggregator on fixed rows
+with a replica absent. `fingerprint()` is the hash of the
 first two, kept as it was computed before the other probes existed, so that every
 record made since compares. Two pieces of code with equal probes compute the same
 numbers, bitwise, on the same machine type; a change of numerics, of instruction set
@@ -47,11 +48,11 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 
-from .. import __version__, compression
+from .. import __version__, aggregation, compression
 from ..inflight import Group, Visit
-from ..plugins import Send
-from ..lab import train
+from ..lab import objects, train
 from ..lab.config import RunConfig, preset
+from ..plugins import Send
 from ..sim.chaos import Failures
 from .plotting import git_commit
 
@@ -61,7 +62,7 @@ FINGERPRINT_ENV = "SDILOCO_FINGERPRINT"
 JSON), measured once by `python -m sdiloco.paper` and read by the notebooks it runs."""
 
 PROBES: tuple[str, ...] = ("streaming_fp4", "data_parallel", "diloco_m4_absent")
-PROBES += ("muloco", "eager", "compressors")
+PROBES += ("muloco", "eager", "compressors", "aggregators")
 """The probes, in the order they are hashed; the first two make `fingerprint()`."""
 
 ISA_FLAGS: tuple[str, ...] = (
@@ -158,6 +159,29 @@ def _compressor_probe(h: Any) -> None:
             h.update(np.asarray(leaf).tobytes())
 
 
+def _aggregator_probe(h: Any) -> None:
+    """Each aggregator of `aggregation` on fixed rows of 5 replicas, one of which
+    does not send and one of which is 10x the others, into `h`."""
+    rows = [jr.normal(jr.key(2), (5, 7, 3)), jr.normal(jr.key(3), (5, 11))]
+    rows = [r.at[4].multiply(10.0) for r in rows]
+    sent = jnp.asarray([True, False, True, True, True])
+    rows = [jnp.where(sent.reshape((-1,) + (1,) * (r.ndim - 1)), r, 0) for r in rows]
+    steps = jnp.asarray([3, 0, 5, 1, 2], jnp.int32)
+    everyone = (
+        aggregation.mean(),
+        aggregation.token_weighted_mean(),
+        aggregation.trimmed_mean(0.25),
+        aggregation.median(),
+        aggregation.clipped_mean(),
+        aggregation.clipped_mean(1.0),
+    )
+    outs = jax.jit(lambda rows: [a(rows, sent, steps) for a in everyone])(rows)
+    for a, out in zip(everyone, outs):
+        h.update(repr(a).encode())
+        for leaf in out:
+            h.update(np.asarray(leaf).tobytes())
+
+
 @functools.cache
 def _measure() -> tuple[str, dict[str, str]]:
     """(fingerprint, probes) of this code on this machine, or from the environment."""
@@ -189,6 +213,10 @@ def _measure() -> tuple[str, dict[str, str]]:
     with jax.numpy_dtype_promotion("standard"), jax.numpy_rank_promotion("raise"):
         _compressor_probe(h)
     probes["compressors"] = h.hexdigest()[:16]
+    h = hashlib.sha256()
+    with jax.numpy_dtype_promotion("standard"), jax.numpy_rank_promotion("raise"):
+        _aggregator_probe(h)
+    probes["aggregators"] = h.hexdigest()[:16]
     return legacy.hexdigest()[:16], probes
 
 
@@ -264,7 +292,11 @@ def code() -> dict[str, Any]:
 
 def is_current(record: Mapping[str, Any]) -> bool:
     """Whether a record was made by code with this code's numerics on this machine
-    type: its fingerprint is this one and so is every probe it carries."""
+    type: its fingerprint is this one and so is every probe it carries. A record
+    whose config holds a user's object (`lab.objects`) cannot be re-created, so it
+    is never current."""
+    if not objects.recreatable(record.get("config", {})):
+        return False
     c = record.get("code", {})
     if not c.get("fingerprint") or c["fingerprint"] != fingerprint():
         return False

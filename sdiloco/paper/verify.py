@@ -29,7 +29,7 @@ from typing import Any
 
 import jax
 
-from ..lab import train
+from ..lab import objects, train
 from ..lab.config import RunConfig
 from . import experiments, provenance
 from .plotting import git_commit
@@ -65,6 +65,8 @@ def _load(records: pathlib.Path, key: str) -> tuple[RunConfig, dict] | None:
     if not path.exists():
         return None
     d = json.loads(path.read_text())
+    if not objects.recreatable(d["config"]):  # a user's object: never re-created,
+        return None  # so never counted as reproducible
     return RunConfig.from_json(json.dumps(d["config"])), d
 
 
