@@ -94,7 +94,6 @@ def inner_only(inner: Any) -> Callable[[Any, Any], tuple[Any, dict]]:
         replicas, inner_state, losses, _ = inner_steps(
             model_lib.loss_with_aux,
             inner,
-            True,
             state.replica_params,
             state.inner_state,
             b,

@@ -75,14 +75,13 @@ def build(
         else distributed.sharded_exchange(mesh)
     )
     if kind == "data_parallel":
-        alg = sdiloco.data_parallel(loss, inner=inner, num_replicas=2, has_aux=True)
+        alg = sdiloco.data_parallel(loss, inner=inner, num_replicas=2)
     elif kind == "diloco":
         alg = sdiloco.diloco(
             loss,
             inner=inner,
             num_replicas=2,
             sync_every=sync_every,
-            has_aux=True,
             exchange=exchange,
         )
     else:
@@ -93,7 +92,7 @@ def build(
             overlap=tau,
             quantizer=quant,
         )
-        alg = cfg.build(loss, inner, model, has_aux=True, exchange=exchange)
+        alg = cfg.build(loss, inner, model, exchange=exchange)
     if courier:
         step = distributed.Courier(alg, mesh, comm)
     else:

@@ -343,7 +343,6 @@ for model_name in MODELS:
                 model_lib.loss_with_aux,
                 cfg.inner.build(cfg.steps),
                 run.model,
-                has_aux=True,
                 offload=offload,
             )
             state = alg.init(run.model, jax.random.key(0))

@@ -43,17 +43,16 @@ def data_parallel(
     inner: optax.GradientTransformation,
     num_replicas: int = 2,
     grad_bits: int = 16,
-    has_aux: bool = False,
 ) -> Algorithm[None]:
     """Data-Parallel: gradients averaged over the replicas every step, one inner step.
 
     Args:
-        loss_fn: `loss_fn(params, batch) -> loss` (or `(loss, aux)` with `has_aux`).
+        loss_fn: `loss_fn(params, batch) -> loss`, or `(loss, aux)` with `aux` a
+            dict of arrays (reported in the metrics as `aux/...`).
         inner: the optimizer (any optax transformation).
         num_replicas: M >= 1; the batch has a leading axis M.
         grad_bits: bits per parameter of one gradient exchange (16: bf16, the paper's
             Table 1 assumption).
-        has_aux: whether `loss_fn` returns `(loss, aux)`.
 
     Returns:
         The `Algorithm`; `bits_per_fragment(params)` has one entry, the bits of one
@@ -63,7 +62,7 @@ def data_parallel(
         raise ValueError(f"num_replicas (M)={num_replicas!r}; must be an integer >= 1.")
     if not isinstance(grad_bits, int) or grad_bits < 1:
         raise ValueError(f"grad_bits={grad_bits!r}; must be an integer >= 1.")
-    grad_fn = value_and_grad(loss_fn, has_aux)
+    grad_fn = value_and_grad(loss_fn)
 
     def bits_per_fragment(params: Params) -> np.ndarray:
         n = sum(int(np.prod(x.shape, dtype=np.int64)) for x in parameter_leaves(params))

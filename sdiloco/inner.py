@@ -42,20 +42,24 @@ def check_batch(batch: Batch, num_replicas: int) -> None:
 
 
 def value_and_grad(
-    loss_fn: Callable[..., Any], has_aux: bool
+    loss_fn: Callable[..., Any],
 ) -> Callable[[Params, Batch], tuple[tuple[Array, dict], Params]]:
-    """`(loss, aux), grads` of `loss_fn` w.r.t. the floating-point arrays of params."""
+    """`(loss, aux), grads` of `loss_fn` w.r.t. the floating-point arrays of params.
+
+    `loss_fn` returns the loss, or a pair `(loss, aux)` with `aux` a dict of arrays
+    (read at trace time: the aux of a loss without one is `{}`)."""
 
     def with_aux(params, batch):
         out = loss_fn(params, batch)
-        if has_aux:
-            loss, aux = out
-            if not isinstance(aux, dict):
-                raise ValueError(
-                    f"with has_aux=True, aux must be a dict of arrays; got {type(aux)}."
-                )
-            return loss, aux
-        return out, {}
+        if not isinstance(out, tuple):
+            return out, {}
+        if len(out) != 2 or not isinstance(out[1], dict):
+            raise ValueError(
+                f"loss_fn returned a tuple of {len(out)} whose second item is a "
+                f"{type(out[-1]).__name__}; allowed: the loss, or (loss, aux) with "
+                "aux a dict of arrays."
+            )
+        return out
 
     return eqx.filter_value_and_grad(with_aux, has_aux=True)
 
@@ -63,7 +67,6 @@ def value_and_grad(
 def inner_steps(
     loss_fn: Callable[..., Any],
     inner: optax.GradientTransformation,
-    has_aux: bool,
     replicas: Replicated,
     inner_state: optax.OptState,
     batch: Batch,
@@ -74,7 +77,7 @@ def inner_steps(
         The new replica parameters and inner states, the loss of each replica `[M]`,
         and the aux dict of each replica (leaves with a leading M axis).
     """
-    grad_fn = value_and_grad(loss_fn, has_aux)
+    grad_fn = value_and_grad(loss_fn)
 
     def one(params, opt_state, x):
         (loss, aux), grads = grad_fn(params, x)

@@ -209,7 +209,8 @@ class ErrorFeedback(Plugin):
     zero at the start. Before compression the replica's outer gradient becomes
     `a = Δ + β·e`; after it, `e ← a − own` (what the receivers did not get), so that
     what was sent plus the new residual is `Δ + β·e`. A replica that does not send
-    keeps its residual. β = 1 is classic error feedback; SparseLoCo's β < 1 makes the
+    keeps its residual; a round that fails (its outer gradient not finite) zeroes
+    the residual of the replicas that merge it. β = 1 is classic error feedback; SparseLoCo's β < 1 makes the
     residual a decaying accumulator that stands in for outer momentum.
 
     Attributes:
@@ -241,6 +242,17 @@ class ErrorFeedback(Plugin):
     def after_send(self, send, sent, own, replicas, state):
         errors = [a - q for a, q in zip(sent, own)]
         return replicas, scatter_senders(send, state, errors)
+
+    def on_arrival(self, arrival, replicas, state):
+        """A failed round (`ok` false) restores θ_g, so the residual of what it did
+        not send goes too: zero for the replicas that merge it (a non-finite
+        residual would otherwise fail every later round of the fragment)."""
+        v, failed = arrival.visit, arrival.due & ~arrival.ok
+        kept = [
+            jnp.where(failed.reshape((-1,) + (1,) * (e.ndim - 1)), 0, e).astype(e.dtype)
+            for e in v.gather(state, 1)
+        ]
+        return replicas, v.scatter(state, kept, axis=1)
 
 
 def error_feedback(beta: float = 1.0) -> ErrorFeedback:

@@ -79,7 +79,6 @@ from .schedule import NEVER, Schedule, make_schedule
 
 
 NONFINITE_POLICIES = ("skip", "apply", "raise")
-HEAL_POLICIES = ("copy", "reset")
 
 
 class StreamingState(NamedTuple):
@@ -125,10 +124,8 @@ class StreamingSpec(NamedTuple):
     plugin: Chain  # the plug-ins, one of which merges
     aggregator: Callable[..., list[Array]]
     nonfinite: str
-    has_aux: bool
     exchange: Exchange | PostedExchange
     memory: GlobalMemory = GlobalMemory()
-    heal: str = "copy"
 
     @property
     def num_replicas(self) -> int:
@@ -186,16 +183,15 @@ def streaming_diloco(
     plugins: Plugin | Sequence[Plugin] = (),
     aggregator: Callable[..., list[Array]] = plain_mean(),
     nonfinite: str = "skip",
-    has_aux: bool = False,
     exchange: Exchange | PostedExchange = communication.simulated_exchange,
     offload: bool = False,
-    heal: str = "copy",
 ) -> Algorithm[StreamingSpec]:
     """Streaming DiLoCo (Alg. 2) with overlapped, compressed fragment syncs.
 
     Args:
-        loss_fn: `loss_fn(params, batch) -> loss` (or `(loss, aux)` with `has_aux`),
-            for one replica's batch. `params` is whatever pytree `init` was given (an
+        loss_fn: `loss_fn(params, batch) -> loss`, or `(loss, aux)` with `aux` a
+            dict of arrays (reported in the metrics as `aux/...`), for one
+            replica's batch. `params` is whatever pytree `init` was given (an
             Equinox module included); gradients flow to its floating-point arrays.
         inner: the inner optimizer (any optax transformation), e.g. AdamW.
         outer: the outer optimizer; default `optax.sgd(0.4, momentum=0.9,
@@ -231,7 +227,6 @@ def streaming_diloco(
         nonfinite: what to do with a non-finite averaged outer gradient: "skip" (the
             default: skip that fragment's outer step and restore it to θ_g on every
             replica, a failed round), "apply" (no check), "raise" (a runtime error).
-        has_aux: whether `loss_fn` returns `(loss, aux)` with `aux` a dict of arrays.
         exchange: how replicas exchange outer gradients (an `Exchange`); the default
             simulates all replicas on one device, `distributed.sharded_exchange`
             moves the packed low-bit payload between devices and hosts within the
@@ -250,12 +245,6 @@ def streaming_diloco(
             sharded state keeps θ_g and the outer state in host memory). Needs a
             backend with host memory kinds (GPU, TPU; on CPU host and device memory
             are the same RAM).
-        heal: how a replica that comes back (`Participation.alive`) gets its inner
-            optimizer state: "copy" (the default) takes a live peer's, so its
-            learning-rate schedule (optax schedules count the state's steps) and
-            moments match a replica training the same θ_g; "reset" starts it afresh
-            (the schedule restarts at step 0 for that replica). Either way its
-            parameters become θ_g and its plug-ins' state `init`'s.
 
     Returns:
         The `Algorithm`; its `step(state, batch, participation=None)` takes who
@@ -267,7 +256,7 @@ def streaming_diloco(
     """
     outer = optax.sgd(0.4, momentum=0.9, nesterov=True) if outer is None else outer
     compressor, plugin = _check_options(
-        alpha, nonfinite, compressor, plugins, aggregator, fragments, heal
+        alpha, nonfinite, compressor, plugins, aggregator, fragments
     )
     schedule = _schedule(sync_every, fragments, num_replicas, overlap, first_send)
     _check_outer(outer, fragments)
@@ -281,10 +270,8 @@ def streaming_diloco(
         plugin=plugin,
         aggregator=aggregator,
         nonfinite=nonfinite,
-        has_aux=has_aux,
         exchange=exchange,
         memory=GlobalMemory(offload),
-        heal=heal,
     )
 
     def init(params: Params, key: PRNGKeyArray | None = None) -> StreamingState:
@@ -310,16 +297,16 @@ def diloco(
     outer: optax.GradientTransformation | None = None,
     num_replicas: int = 2,
     sync_every: int = 100,
+    aggregator: Callable[..., list[Array]] = plain_mean(),
     nonfinite: str = "skip",
-    has_aux: bool = False,
     exchange: Exchange | PostedExchange = communication.simulated_exchange,
     offload: bool = False,
 ) -> Algorithm[StreamingSpec]:
     """Vanilla DiLoCo (Douillard et al., 2023; Alg. 1): P = 1, τ = 0, α = 0, fp32.
 
     The same code path as `streaming_diloco`, with the whole model one fragment first
-    sent at step H (`offload` as there: with one fragment, the whole of θ_g and the
-    outer state visit the device at each sync).
+    sent at step H (`aggregator` and `offload` as there: with one fragment, the
+    whole of θ_g and the outer state visit the device at each sync).
     """
     return streaming_diloco(
         loss_fn,
@@ -330,8 +317,8 @@ def diloco(
         fragments=None,
         overlap=0,
         alpha=0.0,
+        aggregator=aggregator,
         nonfinite=nonfinite,
-        has_aux=has_aux,
         exchange=exchange,
         offload=offload,
     )
@@ -493,10 +480,11 @@ def heal(
     """Replicas alive now but not at the last step come back before their inner step.
 
     Such a replica adopts θ_g for every fragment, its plug-ins' state starts afresh
-    (`init`) and it gets an inner optimizer state by `spec.heal`: "copy" takes that of the first
-    replica alive at both steps (reset when there is none), "reset" initialises it
-    from θ_g. Fragments in flight are merged on arrival like every replica's.
-    `state.alive` becomes `alive`.
+    (`init`), and it takes a copy of the inner optimizer state of the first replica
+    alive at both steps, so that its learning-rate schedule (optax schedules count
+    the state's steps) and moments match a replica training the same θ_g (a fresh
+    state from θ_g when no replica stayed alive). Fragments in flight are merged on
+    arrival like every replica's. `state.alive` becomes `alive`.
     """
     back = alive & ~state.alive
 
@@ -504,15 +492,12 @@ def heal(
         g = eqx.filter(state.global_params, eqx.is_inexact_array)
         g = jax.tree.map(spec.memory.fetch, g)
         fresh = replicate(spec.inner.init(g), spec.num_replicas)
-        if spec.heal == "copy":
-            live = alive & state.alive
-            donor = jnp.argmax(live)  # the first live replica (0 when none)
-            peer = jax.tree.map(
-                lambda x: jnp.broadcast_to(x[donor], x.shape), state.inner_state
-            )
-            fresh = jax.tree.map(
-                lambda c, r: jnp.where(jnp.any(live), c, r), peer, fresh
-            )
+        live = alive & state.alive
+        donor = jnp.argmax(live)  # the first live replica (0 when none)
+        peer = jax.tree.map(
+            lambda x: jnp.broadcast_to(x[donor], x.shape), state.inner_state
+        )
+        fresh = jax.tree.map(lambda c, r: jnp.where(jnp.any(live), c, r), peer, fresh)
         state = adopt_global(spec, state, back)
         return state._replace(
             inner_state=where_replicas(back, fresh, state.inner_state)
@@ -558,7 +543,6 @@ def inner_update(
     replicas, inner_state, losses, aux = inner_steps(
         spec.loss_fn,
         spec.inner,
-        spec.has_aux,
         state.replica_params,
         state.inner_state,
         batch,
@@ -788,11 +772,9 @@ def _check_outer(
         check_outer(outer, shapes)
 
 
-def _check_options(alpha, nonfinite, compressor, plugins, aggregator, fragments, heal):
+def _check_options(alpha, nonfinite, compressor, plugins, aggregator, fragments):
     """Validate `streaming_diloco`'s options; returns the compressor and the
     plug-ins as one chain that merges (the α-merge added when none does)."""
-    if heal not in HEAL_POLICIES:
-        raise ValueError(f"heal={heal!r}; allowed: {HEAL_POLICIES}.")
     if nonfinite not in NONFINITE_POLICIES:
         raise ValueError(f"nonfinite={nonfinite!r}; allowed: {NONFINITE_POLICIES}.")
     if alpha is not None and (isinstance(alpha, bool) or not 0 <= alpha <= 1):

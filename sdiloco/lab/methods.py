@@ -130,13 +130,11 @@ class DataParallelConfig:
         loss_fn: Callable[..., Any],
         inner: optax.GradientTransformation,
         model: Any,
-        *,
-        has_aux: bool = False,
     ) -> Algorithm:
         """The `Algorithm` (`model` is unused: Data-Parallel has no fragments)."""
         del model
         return data_parallel(
-            loss_fn, inner=inner, num_replicas=self.num_replicas, has_aux=has_aux
+            loss_fn, inner=inner, num_replicas=self.num_replicas
         )
 
 
@@ -164,8 +162,6 @@ class DiLoCoConfig:
         loss_fn: Callable[..., Any],
         inner: optax.GradientTransformation,
         model: Any,
-        *,
-        has_aux: bool = False,
         **kwargs: Any,
     ) -> Algorithm:
         """The `Algorithm`; extra keyword arguments go to `diloco` (e.g. `exchange`)."""
@@ -177,7 +173,6 @@ class DiLoCoConfig:
             num_replicas=self.num_replicas,
             sync_every=self.sync_every,
             nonfinite=self.nonfinite,
-            has_aux=has_aux,
             **kwargs,
         )
 
@@ -393,8 +388,6 @@ class StreamingConfig:
         loss_fn: Callable[..., Any],
         inner: optax.GradientTransformation,
         model: Any,
-        *,
-        has_aux: bool = False,
         **kwargs: Any,
     ) -> Algorithm:
         """The `Algorithm` for `model`, whose `blocks` are stacked.
@@ -422,7 +415,6 @@ class StreamingConfig:
             compressor=self.build_compressor(),
             plugins=self.build_plugins(),
             nonfinite=self.nonfinite,
-            has_aux=has_aux,
             **self._aggregator(),
             **kwargs,
         )

@@ -215,7 +215,7 @@ def build(
     if exchange is not None:
         extra = {"exchange": exchange}
     alg = config.method.build(
-        model_lib.loss_with_aux, inner, model, has_aux=True, **extra
+        model_lib.loss_with_aux, inner, model, **extra
     )
     return Run(config, mc, alg, model, train, heldout, island)
 
