@@ -11,17 +11,19 @@ baseline (`data_parallel.py`); who takes part in a step, for elastic training
 (`analysis.py`).
 """
 
-from .analysis import outer_gradient_cosine as outer_gradient_cosine
+from .analysis import (
+    global_params as global_params,
+    outer_gradient_cosine as outer_gradient_cosine,
+    per_replica_bytes as per_replica_bytes,
+    replica_average as replica_average,
+    replica_params as replica_params,
+)
 from .base import (
     Algorithm as Algorithm,
     AlgorithmState as AlgorithmState,
     Exchange as Exchange,
     PostedExchange as PostedExchange,
-    global_params as global_params,
-    per_replica_bytes as per_replica_bytes,
-    replica_average as replica_average,
     replica_fields as replica_fields,
-    replica_params as replica_params,
 )
 from .compression import (
     FORMATS as FORMATS,

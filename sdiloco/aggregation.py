@@ -40,7 +40,6 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int
 
-from . import communication
 from .participation import over_senders
 
 
@@ -73,7 +72,7 @@ class Mean(Aggregator):
     def __call__(self, rows, sent, steps):
         del steps
         kept = [_where_sent(sent, r, jnp.zeros_like(r)) for r in rows]
-        mean = communication.average(kept)
+        mean = average(kept)
         return over_senders(mean, jnp.sum(sent), sent.shape[0])
 
 
@@ -172,6 +171,24 @@ class ClippedMean(Aggregator):
             for r in safe
         ]
         return Mean()(clipped, sent, None)
+
+
+def average(values: list[Array]) -> list[Array]:
+    """Mean over the replica axis, in the values' (wide) dtype (Alg. 2, l.8).
+
+    Summed in replica order, then divided by M: a fixed order, so that an exchange
+    that gathers every replica's payload on every device reproduces it bitwise.
+    """
+    return [replica_mean([v[m] for m in range(v.shape[0])]) for v in values]
+
+
+def replica_mean(parts: list[Array]) -> Array:
+    """The mean of one value per replica, in `average`'s order: summed in replica
+    order, then divided by M."""
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return total / len(parts)
 
 
 def mean() -> Mean:

@@ -12,7 +12,9 @@ that was sent (the merge and outer step come τ steps later); with τ = 0 they h
 been applied, so read the state before the sending step instead.
 
 `inflight_outer_gradients` reads the averaged outer gradients waiting in the in-flight
-slots of a `StreamingState` back into the parameters' structure.
+slots of a `StreamingState` back into the parameters' structure. The plainer readers of
+any algorithm's state are here too: `global_params`, `replica_params`,
+`replica_average` and `per_replica_bytes`.
 """
 
 from typing import Any
@@ -22,6 +24,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from .base import AlgorithmState, replica_fields
+from .custom_types import Params
 from .fragments import Fragments
 from .inflight import Visit
 from .streaming import StreamingSpec, StreamingState
@@ -89,3 +93,47 @@ def inflight_outer_gradients(spec: StreamingSpec, state: StreamingState) -> Any:
     out = [jnp.zeros(x.shape, state.inflight.dtype) for x in leaves]
     out = layout.for_each(in_flight, one, out, state.inflight)
     return jax.tree.unflatten(treedef, out)
+
+
+def per_replica_bytes(state: AlgorithmState) -> dict[str, float]:
+    """Bytes one replica holds of each field of `state` in a deployment.
+
+    A replica field holds 1/M of its bytes per replica (its own slice); a shared field
+    is held whole by every replica (each worker keeps its own copy). `state` may be
+    abstract (`jax.eval_shape(alg.init, params)`): nothing needs to be allocated.
+    """
+    fields = replica_fields(state)
+    out = {}
+    for name in state._fields:
+        leaves = [
+            x
+            for x in jax.tree.leaves(getattr(state, name))
+            if eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
+        ]
+        total = float(sum(x.size * jnp.dtype(x.dtype).itemsize for x in leaves))
+        if name in fields and leaves:
+            total /= leaves[0].shape[0]
+        out[name] = total
+    return out
+
+
+def global_params(state: AlgorithmState) -> Params:
+    """θ_g: the parameters to evaluate by default (paper Table 3)."""
+    return state.global_params
+
+
+def replica_params(state: Any, m: int) -> Params:
+    """The parameters of replica m (of a state with a `replica_params` field)."""
+    return jax.tree.map(lambda x: x[m] if eqx.is_array(x) else x, state.replica_params)
+
+
+def replica_average(state: Any) -> Params:
+    """The average of the replicas' parameters (computed in float32 or wider)."""
+
+    def avg(x):
+        if not eqx.is_inexact_array(x):
+            return x[0] if eqx.is_array(x) else x
+        wide = jnp.promote_types(x.dtype, jnp.float32)
+        return jnp.mean(x.astype(wide), axis=0).astype(x.dtype)
+
+    return jax.tree.map(avg, state.replica_params)

@@ -20,9 +20,6 @@ from typing import (
     runtime_checkable,
 )
 
-import equinox as eqx
-import jax
-import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Int, PRNGKeyArray
 
@@ -129,7 +126,7 @@ class PostedExchange(Protocol):
 
     def inbox_rows(self, num_replicas: int) -> int:
         """Messages the inbox holds per fragment: M, or more when the step's M
-        replicas are one island of a larger job (`distributed.board`)."""
+        replicas are one island of a larger job (`distributed.ray_transport`)."""
         ...
 
 
@@ -166,47 +163,3 @@ class Algorithm(Generic[SpecT]):
 def replica_fields(state: AlgorithmState) -> tuple[str, ...]:
     """The fields of `state` whose array leaves carry the leading replica axis M."""
     return type(state).replica_fields
-
-
-def per_replica_bytes(state: AlgorithmState) -> dict[str, float]:
-    """Bytes one replica holds of each field of `state` in a deployment.
-
-    A replica field holds 1/M of its bytes per replica (its own slice); a shared field
-    is held whole by every replica (each worker keeps its own copy). `state` may be
-    abstract (`jax.eval_shape(alg.init, params)`): nothing needs to be allocated.
-    """
-    fields = replica_fields(state)
-    out = {}
-    for name in state._fields:
-        leaves = [
-            x
-            for x in jax.tree.leaves(getattr(state, name))
-            if eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
-        ]
-        total = float(sum(x.size * jnp.dtype(x.dtype).itemsize for x in leaves))
-        if name in fields and leaves:
-            total /= leaves[0].shape[0]
-        out[name] = total
-    return out
-
-
-def global_params(state: AlgorithmState) -> Params:
-    """θ_g: the parameters to evaluate by default (paper Table 3)."""
-    return state.global_params
-
-
-def replica_params(state: Any, m: int) -> Params:
-    """The parameters of replica m (of a state with a `replica_params` field)."""
-    return jax.tree.map(lambda x: x[m] if eqx.is_array(x) else x, state.replica_params)
-
-
-def replica_average(state: Any) -> Params:
-    """The average of the replicas' parameters (computed in float32 or wider)."""
-
-    def avg(x):
-        if not eqx.is_inexact_array(x):
-            return x[0] if eqx.is_array(x) else x
-        wide = jnp.promote_types(x.dtype, jnp.float32)
-        return jnp.mean(x.astype(wide), axis=0).astype(x.dtype)
-
-    return jax.tree.map(avg, state.replica_params)

@@ -18,6 +18,7 @@ import jax.random as jr
 import numpy as np
 from jaxtyping import Array, PRNGKeyArray
 
+from .aggregation import average
 from .compression import Compressor
 from .fragments import Fragments
 
@@ -97,24 +98,6 @@ def simulated_exchange(
     """
     recon = compress(compressor, fragments, deltas, key)
     return aggregate(recon), recon
-
-
-def average(values: list[Array]) -> list[Array]:
-    """Mean over the replica axis, in the values' (wide) dtype (Alg. 2, l.8).
-
-    Summed in replica order, then divided by M: a fixed order, so that an exchange
-    that gathers every replica's payload on every device reproduces it bitwise.
-    """
-    return [replica_mean([v[m] for m in range(v.shape[0])]) for v in values]
-
-
-def replica_mean(parts: list[Array]) -> Array:
-    """The mean of one value per replica, in `average`'s order: summed in replica
-    order, then divided by M."""
-    total = parts[0]
-    for part in parts[1:]:
-        total = total + part
-    return total / len(parts)
 
 
 def _per_row(compressor: Compressor, x: Array, key: PRNGKeyArray) -> Array:

@@ -17,9 +17,9 @@ failure starts it again from θ_g.
 
 import equinox as eqx
 import jax.numpy as jnp
+from jaxtyping import Array, Bool
 
 from .compression.base import compute_dtype
-from .outer import merge
 from .plugins import Plugin, pieces, replicated, scatter_senders
 
 
@@ -41,7 +41,7 @@ class AlphaMerge(Plugin):
             raise ValueError(f"alpha={self.alpha!r}; must be in [0, 1].")
 
     def on_arrival(self, arrival, replicas, state):
-        """`outer.merge`: α-mix where due, θ_g where the outer gradient failed."""
+        """`merge`: α-mix where due, θ_g where the outer gradient failed."""
 
         def mix(r, g):
             due = arrival.due.reshape((-1,) + (1,) * g.ndim)
@@ -107,6 +107,37 @@ class Eager(Plugin):
             due = arrival.due.reshape((-1,) + (1,) * (r.ndim - 1))
             new.append(jnp.where(due, fixed, r))
         return v.scatter(replicas, new, axis=1), state
+
+
+def merge(
+    replica: Array,
+    global_: Array,
+    due: Bool[Array, "..."],
+    ok: Bool[Array, "..."],
+    alpha: float,
+) -> Array:
+    """The α-merge of one leaf: `θ_m ← α·θ_m + (1 − α)·θ_g` where due (Alg. 2, l.12).
+
+    Where the fragment's outer gradient was not finite (`ok` false) the replica is
+    restored to θ_g instead (a failed round). α = 0 returns θ_g exactly and α = 1 leaves
+    the replica bitwise untouched.
+
+    Args:
+        replica: the leaf of all replicas, `[M, ...]`.
+        global_: the same leaf of θ_g, `[...]`.
+        due: where each replica merges, broadcastable to `replica`.
+        ok: where the outer gradient was finite, broadcastable to `global_`.
+        alpha: the mixing factor α in [0, 1].
+    """
+    g = jnp.broadcast_to(global_[None], replica.shape)
+    if alpha == 0:
+        mixed = g
+    elif alpha == 1:
+        mixed = replica
+    else:
+        mixed = (alpha * replica + (1 - alpha) * g).astype(replica.dtype)
+    new = jnp.where(ok[None], mixed, g)
+    return jnp.where(due, new, replica)
 
 
 def alpha_merge(alpha: float = 0.5) -> AlphaMerge:

@@ -1,4 +1,4 @@
-"""The outer step of (Streaming) DiLoCo, restricted to one fragment, and the α-merge.
+"""The outer step of (Streaming) DiLoCo, restricted to one fragment.
 
 The outer optimizer is any optax transformation. Its state is kept **separate per
 fragment** (docs/contract.md §1): the leaves that mirror the parameters (momentum, Adam
@@ -160,37 +160,6 @@ def outer_step_pieces(
     `merging.Eager`). The arguments are those of `fragment_outer_step`."""
     new_x, _ = _update(outer, visit, params, state, grads, memory)
     return [new_x[i] for i in visit.group.leaves]
-
-
-def merge(
-    replica: Array,
-    global_: Array,
-    due: Bool[Array, "..."],
-    ok: Bool[Array, "..."],
-    alpha: float,
-) -> Array:
-    """The α-merge of one leaf: `θ_m ← α·θ_m + (1 − α)·θ_g` where due (Alg. 2, l.12).
-
-    Where the fragment's outer gradient was not finite (`ok` false) the replica is
-    restored to θ_g instead (a failed round). α = 0 returns θ_g exactly and α = 1 leaves
-    the replica bitwise untouched.
-
-    Args:
-        replica: the leaf of all replicas, `[M, ...]`.
-        global_: the same leaf of θ_g, `[...]`.
-        due: where each replica merges, broadcastable to `replica`.
-        ok: where the outer gradient was finite, broadcastable to `global_`.
-        alpha: the mixing factor α in [0, 1].
-    """
-    g = jnp.broadcast_to(global_[None], replica.shape)
-    if alpha == 0:
-        mixed = g
-    elif alpha == 1:
-        mixed = replica
-    else:
-        mixed = (alpha * replica + (1 - alpha) * g).astype(replica.dtype)
-    new = jnp.where(ok[None], mixed, g)
-    return jnp.where(due, new, replica)
 
 
 def _update(

@@ -23,15 +23,10 @@ gradient. The core calls them and knows none of them.
 
 Steps 1-2 are `local_phase` (nothing from other replicas) and 3-5 `sync_phase`; a
 `distributed.Courier` runs them as two programs and moves the messages between them.
-
-Replicas live on a leading axis M of the state and of the batch. Which fragment is
-sent, received or merged at t is traced data, so the step compiles once and serves
-every step (`sdiloco.jit_step(alg)`). A sync touches only its fragment's elements
-(`inflight.Layout.for_each`), so its work and memory scale with the fragment;
-docs/implementation.md says how the step is organised.
-
-Vanilla DiLoCo is `diloco(...)`: the same code with P = 1, τ = 0, α = 0 and no
-compressor. Data-Parallel, which is different maths, is in `data_parallel.py`.
+Replicas live on a leading axis M of the state and of the batch; which fragment is
+sent, received or merged at t is traced data, so the step compiles once
+(`sdiloco.jit_step(alg)`), and a sync touches only its fragment's elements
+(docs/implementation.md). Vanilla DiLoCo is `diloco(...)`: P = 1, τ = 0, α = 0.
 
 This differs from the paper in:
 1. Δ is taken against the global parameters θ_g kept in the state (docs/paper.md
@@ -220,31 +215,21 @@ def streaming_diloco(
             merges the Eager way; one `Plugin` or a sequence, composed in order.
         aggregator: how the senders' decoded outer gradients of a fragment become
             one (`aggregation.py`): the plain mean over the senders (default),
-            `token_weighted_mean()` (each by the inner steps it took since its last
-            send: a straggler or a replica just back counts for the work it did),
-            `trimmed_mean`, `median`, `clipped_mean`, or any function
-            `(rows, sent, steps) -> list of arrays`.
+            `token_weighted_mean`, `trimmed_mean`, `median`, `clipped_mean`, or a
+            function `(rows, sent, steps) -> list of arrays`.
         nonfinite: what to do with a non-finite averaged outer gradient: "skip" (the
             default: skip that fragment's outer step and restore it to θ_g on every
             replica, a failed round), "apply" (no check), "raise" (a runtime error).
-        exchange: how replicas exchange outer gradients (an `Exchange`); the default
-            simulates all replicas on one device, `distributed.sharded_exchange`
-            moves the packed low-bit payload between devices and hosts within the
-            step that sends. A `PostedExchange` (`distributed.posted_exchange`)
-            only encodes in that step: the state then carries an outbox and an
-            inbox of packed messages, something outside the step (a
-            `distributed.Courier`) moves them while the next τ inner steps compute
-            (with τ = 0, between the two halves of the sending step), and the step
-            of the outer update decodes them.
-        offload: keep θ_g and the outer optimizer state in host memory (the
-            `pinned_host` memory kind) and move only the pieces of the fragment being
-            synchronised to the device, for its Δ, outer step and merge (the paper's
-            offloading, docs/paper.md §1.10). The numbers are bitwise those without
-            offload; the device then holds the replicas, their inner state, the
-            in-flight slots and one fragment at a time. Works on a mesh too (the
-            sharded state keeps θ_g and the outer state in host memory). Needs a
-            backend with host memory kinds (GPU, TPU; on CPU host and device memory
-            are the same RAM).
+        exchange: how replicas exchange outer gradients: the default simulates
+            them on one device; `distributed.sharded_exchange` moves the packed
+            payload between devices and hosts in the step that sends; a
+            `PostedExchange` (`distributed.posted_exchange`) encodes there and
+            decodes at the outer update, moved in between by a `distributed.Courier`
+            (docs/implementation.md).
+        offload: keep θ_g and the outer state in host memory (`pinned_host`) and
+            move only the fragment being synchronised to the device (the paper's
+            offloading, docs/paper.md §1.10), bitwise the same numbers; needs a
+            backend with host memory kinds (GPU, TPU).
 
     Returns:
         The `Algorithm`; its `step(state, batch, participation=None)` takes who
@@ -586,42 +571,7 @@ def send(
     layout = spec.layout(state.global_params)
     t = state.step
     sent_by = jnp.ones((spec.num_replicas,), bool) if sends is None else sends
-
-    def one(v: Visit, inputs, carry):
-        g_leaves, key, (params, outer_state), steps_since = inputs
-        g = [spec.memory.fetch(x) for x in v.gather(g_leaves)]
-
-        def standin(grads: list[Array]) -> list[Array]:
-            def step(grads):
-                return outer_step_pieces(
-                    spec.outer, v, params, outer_state, grads, spec.memory
-                )
-
-            return jax.vmap(step)(grads)
-
-        ctx = Send(v, sends, g, standin)
-        deltas = communication.outer_gradients(g, v.gather(carry["replicas"], 1))
-        deltas, plugin_state = spec.plugin.before_send(ctx, deltas, carry["plugin"])
-        if sends is not None:  # nothing of a replica that does not send
-            deltas = [where_replicas(sends, d, jnp.zeros_like(d)) for d in deltas]
-        frags, key = v.group.piece_fragments(), jr.fold_in(key, v.p)
-        if isinstance(spec.exchange, PostedExchange):
-            messages, own = spec.exchange.encode(spec.compressor, frags, deltas, key)
-            carry["outbox"] = _write_message(layout, carry["outbox"], v.p, messages)
-        else:
-            steps = steps_since[:, v.p]
-
-            def aggregate(rows: list[Array]) -> list[Array]:
-                return spec.aggregator(rows, sent_by, steps)
-
-            mean, own = spec.exchange(spec.compressor, frags, deltas, key, aggregate)
-            carry["slots"] = layout.write(carry["slots"], v.group, v.p, mean)
-            carry["ok"] = carry["ok"].at[v.p].set(is_finite(mean))
-        carry["replicas"], carry["plugin"] = spec.plugin.after_send(
-            ctx, deltas, own, carry["replicas"], plugin_state
-        )
-        return carry
-
+    one = ft.partial(_send_fragment, spec, layout, sends, sent_by)
     g_tree = eqx.filter(state.global_params, eqx.is_inexact_array)
     replicas, static = eqx.partition(state.replica_params, eqx.is_inexact_array)
     key = jr.fold_in(state.key, t)
@@ -648,6 +598,44 @@ def send(
         outbox=carry["outbox"],
         plugin_state=carry["plugin"],
     )
+
+
+def _send_fragment(spec, layout, sends, sent_by, v: Visit, inputs, carry) -> dict:
+    """`send`'s work for fragment `v`: Δ, the plug-ins' `before_send`, the exchange
+    (or the outbox), the plug-ins' `after_send`."""
+    g_leaves, key, (params, outer_state), steps_since = inputs
+    g = [spec.memory.fetch(x) for x in v.gather(g_leaves)]
+
+    def standin(grads: list[Array]) -> list[Array]:
+        def step(grads):
+            return outer_step_pieces(
+                spec.outer, v, params, outer_state, grads, spec.memory
+            )
+
+        return jax.vmap(step)(grads)
+
+    ctx = Send(v, sends, g, standin)
+    deltas = communication.outer_gradients(g, v.gather(carry["replicas"], 1))
+    deltas, plugin_state = spec.plugin.before_send(ctx, deltas, carry["plugin"])
+    if sends is not None:  # nothing of a replica that does not send
+        deltas = [where_replicas(sends, d, jnp.zeros_like(d)) for d in deltas]
+    frags, key = v.group.piece_fragments(), jr.fold_in(key, v.p)
+    if isinstance(spec.exchange, PostedExchange):
+        messages, own = spec.exchange.encode(spec.compressor, frags, deltas, key)
+        carry["outbox"] = _write_message(layout, carry["outbox"], v.p, messages)
+    else:
+        steps = steps_since[:, v.p]
+
+        def aggregate(rows: list[Array]) -> list[Array]:
+            return spec.aggregator(rows, sent_by, steps)
+
+        mean, own = spec.exchange(spec.compressor, frags, deltas, key, aggregate)
+        carry["slots"] = layout.write(carry["slots"], v.group, v.p, mean)
+        carry["ok"] = carry["ok"].at[v.p].set(is_finite(mean))
+    carry["replicas"], carry["plugin"] = spec.plugin.after_send(
+        ctx, deltas, own, carry["replicas"], plugin_state
+    )
+    return carry
 
 
 def receive(spec: StreamingSpec, state: StreamingState) -> StreamingState:

@@ -22,7 +22,7 @@ exchange is exact by construction. The same compressor runs on the same values w
 the same PRNG keys, integer fields and float fields move verbatim, and decoding a
 message is the compressor's own round trip, so what every replica reconstructs of
 every message is bitwise the simulation's. The mean is the same
-`communication.average`, which sums the `[M, ...]` reconstructions in replica order and
+`aggregation.average`, which sums the `[M, ...]` reconstructions in replica order and
 then divides by M: a fixed order, so the mean is bitwise the simulation's as well.
 
 This differs from a production setup in:
@@ -49,7 +49,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import Array, PRNGKeyArray
 
-from .. import communication
+from ..aggregation import average
 from ..compression import Compressor
 from ..fragments import Fragments
 from .mesh import AXIS, DATA
@@ -91,7 +91,7 @@ def sharded_exchange(mesh: Mesh) -> Callable[..., tuple[list[Array], list[Array]
         fragments: Fragments,
         deltas: list[Array],
         key: PRNGKeyArray,
-        aggregate: Callable[[list[Array]], list[Array]] = communication.average,
+        aggregate: Callable[[list[Array]], list[Array]] = average,
     ) -> tuple[list[Array], list[Array]]:
         num_replicas = deltas[0].shape[0]
         if num_replicas % mesh.shape[AXIS]:

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import Array, PRNGKeyArray
 
-from .. import communication, participation
+from .. import participation
 from ..base import PostedExchange
 from ..compression import Compressor
 from ..fragments import Fragments

@@ -255,6 +255,32 @@ class StreamingConfig:
         fields.in_range(
             "StreamingConfig.drop_rate", self.drop_rate, 0, 1, "[0, 1)", True
         )
+        self._check_merge_and_stages()
+        compressor = self.build_compressor()
+        if self.error_feedback and compressor is None:
+            raise ValueError(
+                "StreamingConfig.error_feedback=True needs a compressor; set a "
+                "quantizer, a sparsifier or a compressor."
+            )
+        # The schedule, merge and compressor knobs, checked by the factory itself.
+        try:
+            streaming_diloco(
+                lambda p, b: 0.0,
+                inner=optax.sgd(0.0),
+                num_replicas=self.num_replicas,
+                sync_every=self.sync_every,
+                overlap=self.overlap,
+                alpha=self._alpha(),
+                compressor=compressor,
+                plugins=self.build_plugins(),
+                **self._aggregator(),
+            )
+        except ValueError as e:
+            raise ValueError(f"StreamingConfig: {e}") from None
+
+    def _check_merge_and_stages(self) -> None:
+        """One merge (the `merge` name, `alpha`, or a plug-in), and one way to say
+        the compressor (`compressor`, or `quantizer`/`sparsifier`)."""
         fields.choice("StreamingConfig.merge", self.merge, MERGES)
         if isinstance(self.plugins, list):
             object.__setattr__(self, "plugins", tuple(self.plugins))
@@ -288,27 +314,6 @@ class StreamingConfig:
                         f"{old}={getattr(self, old)!r}; allowed: one of the two (set "
                         f"{old}=None to use compressor)."
                     )
-        compressor = self.build_compressor()
-        if self.error_feedback and compressor is None:
-            raise ValueError(
-                "StreamingConfig.error_feedback=True needs a compressor; set a "
-                "quantizer, a sparsifier or a compressor."
-            )
-        # The schedule, merge and compressor knobs, checked by the factory itself.
-        try:
-            streaming_diloco(
-                lambda p, b: 0.0,
-                inner=optax.sgd(0.0),
-                num_replicas=self.num_replicas,
-                sync_every=self.sync_every,
-                overlap=self.overlap,
-                alpha=self._alpha(),
-                compressor=compressor,
-                plugins=self.build_plugins(),
-                **self._aggregator(),
-            )
-        except ValueError as e:
-            raise ValueError(f"StreamingConfig: {e}") from None
 
     def _alpha(self) -> float | None:
         """α for the α-merge (None with another merge)."""

@@ -40,13 +40,8 @@ import numpy as np
 from jax.sharding import Mesh
 from tqdm import tqdm  # the text bar: no widget lookup (and no warning) in a kernel
 
-from ..base import (
-    Algorithm,
-    Exchange,
-    PostedExchange,
-    replica_average,
-    replica_params,
-)
+from ..analysis import replica_average, replica_params
+from ..base import Algorithm, Exchange, PostedExchange
 from ..participation import Participation
 from ..schedule import default_first_send
 from ..sim import chaos

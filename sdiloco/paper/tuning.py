@@ -193,29 +193,37 @@ def coordinate_search(
     published = published or {}
     kept: list[tuple[str, Any, Any, float]] = []
     for axis in axes:
-        values, extensions = list(axis.values), 0
-        done = {v: trial(axis, v) for v in values}
-        while True:
-            best, low = _pick(values, done, published.get(axis.field), tie)
-            if math.isinf(done[low].mean):
-                raise ValueError(
-                    f"no value of {axis.field!r} in {values} can be trained at "
-                    f"{regime!r}: {infeasible[-1][2]}"
-                )
-            edge = -1 if best == values[0] else (1 if best == values[-1] else 0)
-            if not edge or axis.extend is None or extensions >= axis.max_extensions:
-                break
-            new = axis.extend(best, edge)
-            if new in done:
-                break
-            values = sorted(values + [new])
-            done[new] = trial(axis, new)
-            extensions += 1
+        try:
+            best, low, done = _sweep(axis, trial, published.get(axis.field), tie)
+        except ValueError as e:
+            raise ValueError(f"{e} at {regime!r}: {infeasible[-1][2]}") from None
         if best != low:  # the tie rule kept another value than the best trial
             gap = (done[best].mean - done[low].mean) / abs(done[low].mean)
             kept.append((axis.field, best, low, gap))
         current = regime.apply(set_field(current, axis.field, best))
     return Search(current, trials, infeasible, kept)
+
+
+def _sweep(
+    axis: Axis, trial: Callable[[Axis, Any], Trial], target: Any, tie: float
+) -> tuple[Any, Any, dict[Any, Trial]]:
+    """One axis of `coordinate_search`: its values, extended past an edge while the
+    choice sits there; returns the value kept, the best trial's and every trial."""
+    values, extensions = list(axis.values), 0
+    done = {v: trial(axis, v) for v in values}
+    while True:
+        best, low = _pick(values, done, target, tie)
+        if math.isinf(done[low].mean):
+            raise ValueError(f"no value of {axis.field!r} in {values} can be trained")
+        edge = -1 if best == values[0] else (1 if best == values[-1] else 0)
+        if not edge or axis.extend is None or extensions >= axis.max_extensions:
+            return best, low, done
+        new = axis.extend(best, edge)
+        if new in done:
+            return best, low, done
+        values = sorted(values + [new])
+        done[new] = trial(axis, new)
+        extensions += 1
 
 
 def _pick(
