@@ -203,3 +203,36 @@ def test_an_aggregator_gives_the_same_step_on_the_mesh(name):
     if name == "median":  # and it is the median that ran there, not the mean
         mean = _one_round(aggregation.mean(), sends)[1].global_params["v"]
         assert not np.allclose(np.asarray(sharded.global_params["v"]), np.asarray(mean))
+
+
+def test_the_posted_exchange_aggregates_over_the_senders_it_recorded():
+    """A posted exchange aggregates at the arrival, from the messages and who sent
+    them as the send recorded (`StreamingState.senders`): with a median and one
+    replica silent at the send, θ_g equals the in-step exchange's."""
+    params = toy_params(jr.key(0))
+    sends = [True, False, True, True]
+    common = dict(
+        inner=optax.sgd(0.3),
+        num_replicas=M,
+        sync_every=2,
+        overlap=1,
+        compressor="e3m0",
+        aggregator=aggregation.median(),
+    )
+    ref = sdiloco.streaming_diloco(toy_loss, **common)
+    posted = sdiloco.streaming_diloco(
+        toy_loss, exchange=distributed.posted_exchange(), **common
+    )
+    batches = toy_batches(jr.key(1), steps=3, replicas=M)
+    part = sdiloco.Participation.of([True] * M, [True] * M, sends)
+    a, b = ref.init(params), posted.init(params)
+    for t, batch in enumerate(batches, start=1):
+        p = part if t == 2 else sdiloco.everyone(M)
+        a, _ = jax.jit(ref.step)(a, batch, p)
+        b, _ = jax.jit(posted.step)(b, batch, p)
+        # what a courier does between the steps: every replica's messages delivered
+        b = b._replace(inbox=jnp.swapaxes(b.outbox, 0, 1))
+    assert np.asarray(b.senders)[0].tolist() == sends
+    for x, y in zip(jax.tree.leaves(a.global_params), jax.tree.leaves(b.global_params)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert not np.array_equal(np.asarray(b.global_params["v"]), np.asarray(params["v"]))
