@@ -403,14 +403,13 @@ def _cli(*flags, devices=1, timeout=90):
 def test_bad_coordinates_end_with_a_clear_error():
     port = free_port()
     job = [f"--coordinator=127.0.0.1:{port}", "--num-processes=2", "--init-timeout=3"]
-    # Nobody listens: process 1 gives up after the timeout.
-    rc, lines, seconds = _cli(*job, "--process-id=1")
-    assert rc == 1 and seconds < 60
-    assert lines == [lines[0]] and "could not reach coordinator" in lines[0]
-    # Process 0 of a job of two, alone: the missing process is named.
-    rc, lines, seconds = _cli(*job, "--process-id=0")
-    assert rc == 1 and seconds < 60
-    assert "only 1 of num_processes=2" in lines[-1] and "[1]" in lines[-1]
+    # Nobody listens, or process 0 of a job of two is alone: JAX's own rendezvous
+    # gives up after the timeout, with the runtime's fatal message (we run no
+    # server of our own in front of it: docs/decisions.md).
+    for pid in (1, 0):
+        rc, lines, seconds = _cli(*job, f"--process-id={pid}")
+        assert rc != 0 and seconds < 60
+        assert any("DEADLINE_EXCEEDED" in line for line in lines), lines[-5:]
     # Coordinates that cannot describe a job: refused at once, exit status 2.
     for flags, message in [
         (job + ["--process-id=2"], "process_id=2; allowed: an int in [0, 2)"),

@@ -8,31 +8,19 @@ One concept per module:
 - `exchange`: `sharded_exchange`, the per-replica exchange hook of `streaming_diloco`;
 - `posted`: the exchange split around the steps that move it (`posted_exchange`);
 - `transport`: the one way messages cross between programs (`Transport`:
-  `InProcess`, `MeshAllGather`, `board.BoardTransport`, or a function of yours);
+  `InProcess`, `MeshAllGather`, `ray_transport.RayTransport`, or a function of
+  yours);
 - `courier`: runs a posted algorithm's steps and hands each fragment's messages to
   its transport between them (`Courier`, `courier_meshes`);
 - `hlo`: reading a compiled program's collectives and the bytes on the wire;
-- `net`: bytes between the programs of an elastic job: a key-value store served
-  over TCP (the standard library), values of any size;
-- `board`: replica islands that fail and rejoin (`Board`, `BoardTransport`, the
-  board's `Keys`, healing from a live peer), the exchange of the elastic job;
-- `coordinator`: the elastic job's coordinator (`BoardServer`, `Coordinator`:
-  who takes part in each round, heal routing).
+- `ray_transport`: replica islands that fail and rejoin, their rounds and heals
+  through Ray's object store (`RayTransport`), the exchange of the elastic job;
+- `syncer`: the elastic job's syncer, a Ray actor that carries control only
+  (`Syncer`: who takes part in each round, who may join, heal routing).
+
+`ray_transport` and `syncer` import Ray only when called (the `elastic` extra).
 """
 
-from .board import (
-    Board as Board,
-    BoardError as BoardError,
-    BoardLost as BoardLost,
-    BoardProtocolError as BoardProtocolError,
-    BoardTransport as BoardTransport,
-    Keys as Keys,
-)
-from .coordinator import (
-    BoardServer as BoardServer,
-    Coordinator as Coordinator,
-    coordinate as coordinate,
-)
 from .courier import (
     Courier as Courier,
     CourierError as CourierError,
@@ -57,6 +45,13 @@ from .mesh import (
     state_shardings as state_shardings,
 )
 from .posted import posted_exchange as posted_exchange
+from .ray_transport import (
+    ElasticError as ElasticError,
+    RayTransport as RayTransport,
+    Refused as Refused,
+    SyncerLost as SyncerLost,
+)
+from .syncer import Syncer as Syncer
 from .transport import (
     HostTransport as HostTransport,
     InProcess as InProcess,

@@ -11,7 +11,7 @@ steps that overlap it:
 2. a `Courier` hands the outbox slot to its `Transport` as soon as that half is
    dispatched, which **moves** the messages while the next τ steps compute, from a
    thread of its own (an all-gather on a *communication device* of each process,
-   `MeshAllGather`; a round on the board of an elastic job; or nothing to move in the
+   `MeshAllGather`; a round of an elastic job through Ray; or nothing to move in the
    simulation, `InProcess`);
 3. the step of the outer update (t + τ) runs as two programs: its first half is
    dispatched; the courier then waits for what has not arrived yet and copies
@@ -187,7 +187,7 @@ class Courier:
         timeout: seconds a step waits for a message before it raises.
         transport: without a mesh, what moves the messages (a `Transport`, or a
             function `move(messages, fragment, sent) -> messages` on NumPy arrays;
-            `distributed.board.BoardTransport` for the islands of an elastic job).
+            `distributed.RayTransport` for the islands of an elastic job).
             Default: `InProcess`, the simulation's replicas in one program.
     """
 
@@ -316,7 +316,7 @@ class Courier:
         before any issues a collective of its own (holding the lock alone could leave
         one process in its own collective while its peer's thread waits for it).
         Block on the results of your own collective inside the block. A transport
-        that is not a collective (`Transport.collective`: the board, the
+        that is not a collective (`Transport.collective`: Ray's, the
         simulation's) has nothing to wait for: the block runs at once.
         """
         if not self.transport.collective:

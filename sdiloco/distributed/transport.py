@@ -9,8 +9,9 @@ is the only way bytes cross from one program to another, whatever the programs a
 - `MeshAllGather`: the replicas sharded over the devices of one or many processes
   (one SPMD job): an all-gather over one communication device per process, on the
   courier's thread, beside the compute devices;
-- `distributed.board.BoardTransport`: one program per replica island (the elastic
-  job): a round on the board, the messages fetched from the peers' depots;
+- `distributed.RayTransport`: one program per replica island (the elastic job,
+  Ray actors): a round decided by the job's syncer, the messages fetched from the
+  peers through Ray's object store;
 - anything else: subclass `Transport` and write `move`, or give the `Courier` a
   plain function `move(messages, fragment, sent) -> messages` on NumPy arrays.
 

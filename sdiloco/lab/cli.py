@@ -38,15 +38,15 @@ def main(argv: list[str] | None = None) -> int:
         args = _parser().parse_args(argv)
         args.argv = argv
         if args.command == "train":
-            if args.board is not None:
-                return _island(args)
-            if args.min_step_s:
-                raise _UsageError(
-                    "--min-step-s without --board; allowed: an island's flag"
-                )
+            if args.elastic:
+                return _elastic(args)
+            for flag in ("min_step_s", "address"):
+                if getattr(args, flag):
+                    raise _UsageError(
+                        f"--{flag.replace('_', '-')} without --elastic; allowed: a "
+                        "flag of the elastic job"
+                    )
             return _train(args)
-        if args.command == "coordinate":
-            return _coordinate(args)
     except _UsageError as e:
         return _fail(f"{e} (see --help)")
     except KeyboardInterrupt:  # before the loop (or a second Ctrl-C): nothing saved
@@ -207,87 +207,69 @@ def _plot_loss(history: Any, out: str) -> str | None:
     return "loss.png"
 
 
-def _board(args: argparse.Namespace) -> Any:
-    from .elastic import BoardOptions  # light: the training loop is not imported
-
-    return BoardOptions(
-        args.board,
-        grace_s=args.grace,
-        timeout_s=args.board_timeout,
-        heartbeat_s=args.heartbeat,
-        connect_timeout_s=args.init_timeout,
-    )
-
-
-def _island(args: argparse.Namespace) -> int:
-    """`train --board HOST:PORT --replica m`: one island of the elastic job."""
+def _elastic(args: argparse.Namespace) -> int:
+    """`train --elastic`: the whole elastic job, one Ray actor per island."""
     for flag in ("coordinator", "num_processes", "process_id", "devices_per_replica"):
         if getattr(args, flag) is not None:
-            return _fail(f"--{flag.replace('_', '-')} with --board; allowed: one.")
+            return _fail(f"--{flag.replace('_', '-')} with --elastic; allowed: none.")
     if args.courier or args.fsdp or args.auto_distributed:
-        return _fail("--courier/--fsdp/--auto-distributed with --board; allowed: none.")
-    if args.replica is None:
-        return _fail("--board needs --replica (this island, 0 ... M - 1).")
+        return _fail(
+            "--courier/--fsdp/--auto-distributed with --elastic; allowed: none."
+        )
     try:
         cfg = _config(args)
-        options = _board(args)
-        from .elastic import check_min_step_s
+        if args.out is not None and args.checkpoint_every is None:
+            cfg = cfg.replace(checkpoint_every=cfg.eval_every)
+        from .elastic import ElasticOptions, check_min_step_s
+
+        options = ElasticOptions(
+            args.address,
+            grace_s=args.grace,
+            timeout_s=args.elastic_timeout,
+            heartbeat_s=args.heartbeat,
+            start_s=float(args.init_timeout),
+            max_restarts=args.max_restarts,
+        )
+        check_min_step_s(args.min_step_s)
+        if cfg.method.num_replicas < 2:
+            raise ValueError(
+                f"--replicas={cfg.method.num_replicas}; allowed: M >= 2 islands."
+            )
         from .train import check_island, check_out_dir
 
-        check_island(cfg, (args.replica, cfg.method.num_replicas))
-        check_min_step_s(args.min_step_s)
+        check_island(cfg, (0, cfg.method.num_replicas))
         if args.out is not None:
             check_out_dir(args.out)
     except ValueError as e:
         return _fail(str(e))
-    from ..distributed.board import BoardError
-    from .elastic import island
-    from .train import Interrupted
-
     try:
-        summary = island(
+        from .ray_job import run_job
+    except ModuleNotFoundError as e:
+        return _fail(f"{e}; the elastic job needs Ray: pip install 'sdiloco[elastic]'")
+    try:
+        result = run_job(
             cfg,
-            args.replica,
             options,
             args.out,
+            resume=not args.no_resume,
             progress=not args.no_progress,
             min_step_s=args.min_step_s,
         )
-    except BoardError as e:
-        return _fail(str(e), status=1)
-    except Interrupted as e:
-        print(
-            f"island {args.replica} stopped at step {e.step}; to rejoin (healed from "
-            f"a live peer): python -m sdiloco {shlex.join(args.argv)}",
-            file=sys.stderr,
-        )
-        return INTERRUPTED
+    except (ConnectionError, RuntimeError) as e:  # Ray could not start or join
+        return _fail(f"the elastic job could not start Ray: {e}", status=1)
+    for m in sorted(result.errors):
+        print(f"error: {result.errors[m]}", file=sys.stderr)
+    if not result.summaries:
+        return _fail("the elastic job ended: no island could finish.", status=1)
     print(
-        json.dumps({"evaluation": summary["evaluation"], "healed": summary["healed"]})
+        json.dumps(
+            {
+                m: {"evaluation": s["evaluation"], "healed": s["healed"]}
+                for m, s in sorted(result.summaries.items())
+            }
+        )
     )
-    return 0
-
-
-def _coordinate(args: argparse.Namespace) -> int:
-    """`coordinate --board HOST:PORT --replicas M`: the elastic job's coordinator."""
-    if args.board is None:
-        return _fail("coordinate needs --board HOST:PORT (where to serve).")
-    if args.replicas is None or args.replicas < 2:
-        return _fail(f"--replicas={args.replicas}; allowed: M >= 2 islands.")
-    try:
-        options = _board(args)
-    except ValueError as e:
-        return _fail(str(e))
-    from ..distributed.board import BoardError
-    from .elastic import run_coordinator
-
-    try:
-        decisions = run_coordinator(args.replicas, options, args.out)
-    except BoardError as e:
-        return _fail(str(e), status=1)
-    late = sum(d["timed_out"] for d in decisions)
-    print(json.dumps({"rounds": len(decisions), "decided_at_deadline": late}))
-    return 0
+    return 1 if result.errors else 0
 
 
 def _config(args: argparse.Namespace) -> config_lib.RunConfig:
@@ -388,20 +370,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_budget_flags(t.add_argument_group("budget and data"))
     _add_output_flags(t.add_argument_group("outputs"))
     _add_device_flags(t.add_argument_group("devices and processes"))
-    elastic = t.add_argument_group("elastic islands (one process each)")
-    _add_board_flags(elastic)
-    elastic.add_argument(
-        "--replica", type=int, help="with --board: this island, 0 .. M-1"
-    )
-    elastic.add_argument(
-        "--min-step-s",
-        type=float,
-        default=0.0,
-        help="with --board: this island's inner steps take at least this many "
-        "seconds (it sleeps the rest), a slower accelerator emulated on one machine, "
-        "e.g. a straggler (default 0)",
-    )
-    _add_coordinate(sub)
+    _add_elastic_flags(t.add_argument_group("the elastic job (Ray)"))
     return parser
 
 
@@ -564,27 +533,15 @@ def _add_output_flags(t: Any) -> None:
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def _add_coordinate(sub: Any) -> None:
-    """The `coordinate` command: the elastic job's coordinator."""
-    c = sub.add_parser(
-        "coordinate", help="the coordinator of an elastic job (holds no replica)"
-    )
-    c.add_argument("--replicas", type=int, help="M, the job's islands")
-    c.add_argument("--out", help="directory for coordinator.json (the decisions)")
-    c.add_argument(
-        "--init-timeout",
-        type=int,
-        default=300,
-        help="seconds to wait for every island to join (default 300)",
-    )
-    _add_board_flags(c)
-
-
-def _add_board_flags(d: Any) -> None:
-    """The flags of the elastic job's board (the coordinator and every island)."""
+def _add_elastic_flags(d: Any) -> None:
+    """The flags of the elastic job (`--elastic`: one Ray actor per island)."""
     d.add_argument(
-        "--board", help="HOST:PORT of the elastic job's coordinator (its board)"
+        "--elastic",
+        action="store_true",
+        help="run the elastic job: each replica an island (a Ray actor) that may "
+        "die and rejoin; a local Ray instance unless --address",
     )
+    d.add_argument("--address", help="with --elastic: an existing Ray cluster")
     d.add_argument(
         "--grace",
         type=float,
@@ -592,18 +549,31 @@ def _add_board_flags(d: Any) -> None:
         help="seconds a round waits for a missing island (default 5)",
     )
     d.add_argument(
-        "--board-timeout",
+        "--elastic-timeout",
         type=float,
         default=120.0,
-        help="seconds any wait on the board may last (default 120)",
+        help="seconds any wait on the syncer or a peer may last (default 120)",
     )
     d.add_argument(
         "--heartbeat",
+        type=float,
+        default=10.0,
+        help="seconds after which a silent island is not asked to serve a heal "
+        "(default 10)",
+    )
+    d.add_argument(
+        "--max-restarts",
         type=int,
-        default=10,
-        help="seconds an island may be unable to reach the board before it ends "
-        "with one line (a shorter pause is ridden out), and after which the board "
-        "counts a silent island as gone (default 10)",
+        default=3,
+        help="how often Ray restarts each island (default 3)",
+    )
+    d.add_argument(
+        "--min-step-s",
+        type=float,
+        default=0.0,
+        help="with --elastic: each island's inner steps take at least this many "
+        "seconds (it sleeps the rest), a slower accelerator emulated on one machine "
+        "(default 0)",
     )
 
 

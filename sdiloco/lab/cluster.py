@@ -13,25 +13,24 @@ cluster; only the `Placement` differs:
   writes the history, and all of them write their shards of a checkpoint;
 - **a transport** (`distributed.Transport`): the exchange posted and moved between
   steps by it (`distributed.Courier`). One whose `island` is `(m, M)` (an elastic
-  job's `distributed.BoardTransport`) makes this program replica m alone: its own
+  job's `distributed.RayTransport`) makes this program replica m alone: its own
   share of the batch, and the transport's `join` and `between_steps` around the
   steps (a restarted island heals there).
 
-`connect` joins the processes of a job (`jax.distributed.initialize`) after checking the
-coordinates it is given, with a bounded wait: a coordinator that cannot be reached or a
-job that never gathers its `num_processes` processes ends with an error, not a hang.
-JAX's runtime ends such a job by aborting every process with a C++ stack trace, so
-`connect` first gathers the processes itself on the coordinator's port (each sends its
-id and the job size it was given; process 0 answers once all have arrived, or tells
-each what is wrong) and only then starts the runtime on that port.
+`connect` joins the processes of a job (`jax.distributed.initialize`, which
+rendezvouses on the coordinator's port with its own bounded wait) after checking the
+coordinates it is given, and turns the runtime's errors into one line
+(`ConnectError`). Once joined, the processes compare the job size each was given
+(an all-gather over the job): processes that disagree are told, each in one line. A
+coordinator that cannot be reached, or a job that never gathers its processes, ends
+when JAX's `initialization_timeout` runs out, with the runtime's own fatal message
+(docs/decisions.md, "the SPMD job's rendezvous").
 """
 
 import contextlib
 import dataclasses
 import functools
 import json
-import socket
-import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -113,7 +112,6 @@ def connect(
         raise ValueError(
             f"process_id={process_id!r}; allowed: an int in [0, {num_processes})."
         )
-    _rendezvous(host, int(port), num_processes, process_id, timeout_s)
     _initialize(
         dict(
             coordinator_address=coordinator,
@@ -124,6 +122,7 @@ def connect(
         f"coordinator {coordinator} ({num_processes} processes, this one "
         f"{process_id}, waited {timeout_s} s)",
     )
+    _check_job(num_processes, process_id)
 
 
 def is_primary() -> bool:
@@ -461,119 +460,23 @@ class Placement:
 # ----------------------------------------------------------------------------- helpers
 
 
-def _rendezvous(
-    host: str, port: int, num_processes: int, process_id: int, timeout_s: int
-) -> None:
-    """Gather the job's processes on the coordinator's port, or raise `ConnectError`.
-
-    Process 0 listens and waits for the ids 1 .. N-1, each sent with the N its process
-    was given; it answers "ok" to all once all have arrived, or an error to every
-    connected process (another N, an id twice, or missing ids at the deadline).
-    Every other process connects (retrying until the deadline) and waits for the answer.
-    """
-    if num_processes == 1:
+def _check_job(num_processes: int, process_id: int) -> None:
+    """Raise `ConnectError` on every process when the processes were given different
+    job sizes (each one's `(num_processes, process_id)`, all-gathered)."""
+    if jax.process_count() == 1 and num_processes == 1:
         return
-    deadline = time.monotonic() + timeout_s
-    if process_id == 0:
-        _gather(host, port, num_processes, deadline, timeout_s)
+    mine = np.array([num_processes, process_id], np.int32)
+    given = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, 2)
+    sizes = {int(n) for n, _ in given}
+    if len(sizes) == 1 and sizes == {jax.process_count()}:
         return
-    where = f"coordinator {host}:{port}"
-    while True:
-        try:
-            conn = socket.create_connection((host, port), timeout=1.0)
-            break
-        except OSError as e:
-            if time.monotonic() > deadline:
-                raise ConnectError(
-                    f"could not reach {where} within {timeout_s} s (last error: {e}); "
-                    "is process 0 running, and is the address right?"
-                ) from e
-            time.sleep(0.2)
-    with conn:
-        hello = {"process_id": process_id, "num_processes": num_processes}
-        conn.sendall((json.dumps(hello) + "\n").encode())
-        conn.settimeout(max(1.0, deadline - time.monotonic()) + 5.0)
-        try:
-            answer = conn.makefile().readline().strip()
-        except OSError:
-            answer = ""
-    if answer != "ok":
-        raise ConnectError(answer or f"{where} gave no answer within {timeout_s} s.")
-
-
-def _gather(
-    host: str, port: int, num_processes: int, deadline: float, timeout_s: int
-) -> None:
-    """Process 0's side of `_rendezvous`."""
-    try:
-        if socket.has_dualstack_ipv6():
-            server = socket.create_server(
-                ("", port), family=socket.AF_INET6, dualstack_ipv6=True
-            )
-        else:
-            server = socket.create_server(("", port))
-    except OSError as e:
-        raise ConnectError(f"process 0 cannot listen on port {port}: {e}.") from e
-    joined: dict[int, socket.socket] = {}
-    error = None
-    try:
-        while len(joined) < num_processes - 1:
-            server.settimeout(max(0.01, deadline - time.monotonic()))
-            try:
-                conn, _ = server.accept()
-            except TimeoutError:
-                missing = sorted(set(range(1, num_processes)) - set(joined))
-                error = (
-                    f"only {len(joined) + 1} of num_processes={num_processes} "
-                    f"processes joined within {timeout_s} s; missing process ids "
-                    f"{missing}."
-                )
-                break
-            pid, error = _admit(conn, joined, num_processes)
-            if pid is None:
-                continue
-            if error is not None:
-                conn.sendall(f"error: {error}\n".encode())
-                conn.close()
-                break
-            joined[pid] = conn
-        answer = "ok" if error is None else f"error: {error}"
-        for conn in joined.values():
-            try:
-                conn.sendall((answer + "\n").encode())
-            except OSError:
-                pass
-    finally:
-        for conn in joined.values():
-            conn.close()
-        server.close()
-    if error is not None:
-        raise ConnectError(error)
-
-
-def _admit(
-    conn: socket.socket, joined: dict, num_processes: int
-) -> tuple[int | None, str | None]:
-    """A joining process's id and what is wrong with it (None: nothing); no id when
-    the connection is not one of ours (a port scanner, a stale client)."""
-    conn.settimeout(5.0)
-    try:
-        hello = json.loads(conn.makefile().readline())
-        pid, n = int(hello["process_id"]), int(hello["num_processes"])
-    except (OSError, ValueError, KeyError, TypeError):
-        conn.close()
-        return None, None
-    if n != num_processes:
-        return pid, (
-            f"process {pid} was started with num_processes={n}, process 0 "
-            f"with {num_processes}; allowed: the same value everywhere."
-        )
-    if pid in joined or not 0 < pid < num_processes:
-        return pid, (
-            f"process_id={pid} joined twice or is out of [1, {num_processes})"
-            "; allowed: each id of 0 .. num_processes-1 once."
-        )
-    return pid, None
+    first = {int(i): int(n) for n, i in given}
+    other = next((i for i, n in first.items() if n != first.get(0)), process_id)
+    raise ConnectError(
+        f"process {other} was started with num_processes={first.get(other)}, "
+        f"process 0 with {first.get(0)}; allowed: the same value everywhere "
+        f"(the coordinator counts {jax.process_count()} processes)."
+    )
 
 
 def _initialize(kwargs: dict, where: str) -> None:

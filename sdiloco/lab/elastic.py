@@ -1,29 +1,28 @@
-"""The elastic multi-process job: one process per replica island, one coordinator.
+"""The elastic job on Ray: one actor per replica island, one syncer, one command.
 
-`python -m sdiloco coordinate --board HOST:PORT --replicas M` starts the coordinator
-(it holds no replica: the board, a key-value store over TCP, and the rounds'
-membership decisions, `distributed.coordinator`); `python -m sdiloco train ...
---board HOST:PORT --replica m` starts island m (the same training flags on every
-island). A SIGKILLed island stops nobody: the others are left waiting at most
-`grace_s` at the round it missed, then train on without it. The same command
-started again heals the island from a live peer and it rejoins at its next send.
+`python -m sdiloco train --elastic --replicas M ... --out DIR` runs the whole job:
+it starts a local Ray instance (dashboard off, token authentication on, the object
+store sized to the job), or joins an existing cluster with `--address`, and makes
 
-Each island is `train.run(config, transport=BoardTransport(...))`: the same loop,
-logging, evaluations, checkpoints and progress as any run, training the run's
-replica m alone (`num_replicas=1` in its own algorithm, its share of the global
-batch, `data.replica_batches` indexed by the step count) with the posted exchange
-(`posted_exchange(island=(m, M))`) moved by a `Courier` whose transport is the
-board: while the next τ steps compute, or, with τ = 0, between the halves of the
-sending step. The transport's `join` heals a restarted island before its first
-step, and its `between_steps` reads the coordinator's mail (a heal to serve; word
-that it fell behind, then it heals). Its messages and its heals leave from its own
-depot (`net.Depot`). Its compiled programs are kept in JAX's persistent cache
-(`train.enable_compile_cache`), so a restarted island loads them. At the end it
-writes `out/island-<m>.json` (its summary) and `out/island-<m>.eqx` (θ_g,
-`eqx.tree_serialise_leaves`); `out/island-<m>.step` says how far it is and
-`out/island-<m>/` holds its run's history (and checkpoints, if asked). An island
-knows it was restarted by the key `joined/<m>` it left on the board the first time.
-One that cannot reach the board for `heartbeat_s` ends with one line (`BoardLost`).
+- the **syncer** (`distributed.syncer.Syncer`), an actor that carries control only:
+  who takes part in each round, who heals from whom, who may join;
+- one **island** actor per replica (`Island`), placed one per node where the
+  cluster has several (`SPREAD`). Each runs today's program, `train.run(config,
+  out/island-m, transport=RayTransport(...))`: the same loop, checkpoints and
+  history, training replica m alone, its messages and heals moved through Ray's
+  object store (`distributed.ray_transport`).
+
+Failures. Ray restarts a killed island (up to `max_restarts`); the restarted actor
+resumes its checkpoint, then heals from a live peer and rejoins at its next send.
+A stopped island is left out of a round at the syncer's grace deadline. A lost
+syncer (or Ray head) ends every island with one line each; their checkpoints stay,
+and the same command resumes the whole job from them: the islands at the newest
+checkpoint restore it, the others heal from them.
+
+At the end each island writes `out/island-<m>.json` (its summary) and
+`out/island-<m>.eqx` (θ_g); `out/island-<m>.step` says how far it is,
+`out/island-<m>.pid` which process it is, and `out/syncer.json` holds the rounds'
+decisions.
 """
 
 import dataclasses
@@ -31,9 +30,6 @@ import hashlib
 import json
 import math
 import os
-import signal
-import sys
-import threading
 import time
 from typing import Any
 
@@ -41,151 +37,96 @@ import equinox as eqx
 import jax
 import numpy as np
 
-from ..distributed import net
-from ..distributed.board import Board, BoardError, BoardTransport, Keys
-from ..distributed.coordinator import BoardServer, Coordinator
-from ..distributed.courier import CourierError
-from . import train
 from .config import RunConfig
 
 
+AGREED_EXCEPT = (
+    "name",
+    "eval_every",
+    "eval_windows",
+    "eval_params",
+    "log_every",
+    "checkpoint_every",
+    "keep_checkpoints",
+)
+"""The config fields an island may set for itself; every other field (model, seed,
+optimizers, method, data, steps) must be the job's."""
+
+
+EVAL_AT_END = True
+"""Islands score θ_g on the held-out set at the end only: an evaluation inside the
+loop holds up every peer's next round while it runs."""
+
+
 @dataclasses.dataclass(frozen=True)
-class BoardOptions:
-    """Where the board is and how long anything waits on it.
+class ElasticOptions:
+    """Where the job runs and how long anything waits.
 
     Attributes:
-        address: `host:port` of the coordinator's service.
+        address: an existing Ray cluster (`ray.init(address=...)`), or None: a
+            local instance for this job alone.
         grace_s: how long a round waits, after its first message, for an expected
-            island (the failure detection of the job: a dead island stalls the
-            others this long, once).
-        timeout_s: the longest any island waits for a key (a decision, a message,
-            a heal) before it stops with `BoardError`.
-        heartbeat_s: how long an island may be unable to reach the board before it
-            ends with one line (`BoardLost`); a shorter pause is ridden out.
-        connect_timeout_s: how long the first start waits for every process.
+            island (a dead or stopped island stalls the others this long, once).
+        timeout_s: the longest any island waits on the syncer or a peer.
+        heartbeat_s: an island silent this long is not chosen to serve a heal.
+        start_s: how long the first round waits for every island's hello.
+        max_restarts: how often Ray restarts each island's actor.
+        object_store_bytes: the local instance's object store (None: sized from
+            the model and M, `object_store_size`).
     """
 
-    address: str
+    address: str | None = None
     grace_s: float = 5.0
     timeout_s: float = 120.0
-    heartbeat_s: int = 10
-    connect_timeout_s: int = 300
+    heartbeat_s: float = 10.0
+    start_s: float = 300.0
+    max_restarts: int = 3
+    object_store_bytes: int | None = None
 
     def __post_init__(self):
-        host, _, port = self.address.rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"board={self.address!r}; allowed: HOST:PORT.")
-        if not self.heartbeat_s >= 1:
-            raise ValueError(f"heartbeat_s={self.heartbeat_s}; allowed: >= 1 s.")
-        for name in ("grace_s", "timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name}={getattr(self, name)}; allowed: > 0.")
+        for name in ("grace_s", "timeout_s", "heartbeat_s", "start_s"):
+            value = getattr(self, name)
+            if not 0 < value < math.inf:
+                raise ValueError(f"{name}={value}; allowed: 0 < seconds < inf.")
         if self.timeout_s <= self.grace_s:
             raise ValueError(
                 f"timeout_s={self.timeout_s} <= grace_s={self.grace_s}; allowed: a "
                 "timeout longer than the grace window."
             )
+        if self.max_restarts < 0:
+            raise ValueError(f"max_restarts={self.max_restarts}; allowed: >= 0.")
 
     @property
     def keep_s(self) -> float:
-        """How long a decided round's copies stay on the board at most (when some
-        live island has not read them): as long as an island may be silent and still
-        count as live (the heartbeat) and a grace window more, and at least 60 s and
-        4 grace windows. So an island stopped for less than the heartbeat still finds
-        the rounds it was reading when it goes on."""
+        """How long a decided round's messages stay at most (for an island that
+        reads it late): at least 60 s, 4 grace windows, and the heartbeat and a
+        grace window more."""
         return max(60.0, 4 * self.grace_s, self.heartbeat_s + self.grace_s)
 
 
-EVAL_AT_END = True
-"""Islands score θ_g on the held-out set at the end only. An evaluation inside the
-loop holds up every peer's next round while it runs (measured on 2 busy cores: the
-kill-and-rejoin job no longer finished within 10 minutes with one every 100 steps,
-against 100 s without)."""
+def fingerprint(config: RunConfig) -> dict[str, str]:
+    """Every config field the islands must agree on (all but `AGREED_EXCEPT`),
+    flattened to `{"method.sync_every": "6", ...}`."""
+    flat: dict[str, str] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}.{k}" if prefix else k, v)
+        else:
+            flat[prefix] = json.dumps(value, sort_keys=True)
+
+    walk("", json.loads(config.to_json()))
+    return {k: v for k, v in flat.items() if k.split(".")[0] not in AGREED_EXCEPT}
 
 
-def island(
-    config: RunConfig,
-    replica: int,
-    options: BoardOptions,
-    out_dir: str | os.PathLike | None = None,
-    *,
-    progress: bool = True,
-    min_step_s: float = 0.0,
-) -> dict[str, Any]:
-    """Train island `replica` of `config` on the board; returns its summary.
-
-    The island is `train.run` with the board as its transport (`BoardTransport`):
-    the same loop, logging, evaluations, checkpoints (under `out/island-<m>/`, with
-    its `history.json`) and progress bar (unless `progress` is False:
-    `--no-progress`) as any run. Around it, this connects to
-    the board, offers a depot for its messages and heals, writes the step file and
-    the summary, says it is done, and serves the heals peers still ask for until
-    every island is done (`BoardTransport.serve_until_end`).
-
-    With `min_step_s` > 0 every inner step takes at least that long: the island
-    sleeps what its step left (`--min-step-s`). It emulates a slower accelerator on
-    one machine: a straggler island among faster ones, or a job whose islands run
-    for minutes of wall time at a small share of the CPU (the elastic tests).
-
-    The summary: the final held-out evaluation of θ_g, whether it healed (and the
-    seconds and bytes that took, and why), the seconds from its start until its
-    programs were compiled or loaded (`ready_s`), the steps it trained, each round
-    it took part in (seconds waited, members) and the bytes it served to heal peers.
-
-    Raises:
-        BoardError: the board could not be used (`BoardLost`: out of reach for
-            longer than the heartbeat, one line that says to start the same
-            command again), or a wait on it outlasted `options.timeout_s`.
-        train.Interrupted: SIGINT or SIGTERM stopped it after a step.
-    """
-    count = config.method.num_replicas
-    train.check_island(config, (replica, count))
-    check_min_step_s(min_step_s)
-    started = time.perf_counter()
-    train.enable_compile_cache()  # a restarted island loads its programs
-    board = Board(
-        options.address,
-        replica + 1,
-        heartbeat_s=float(options.heartbeat_s),
-        connect_timeout_s=float(options.connect_timeout_s),
-        mailbox=Keys.mail(replica),
-        name=f"island {replica}",
-        say=lambda line: print(line, file=sys.stderr, flush=True),
-    )
-    depot = net.Depot(board.local_host())
-    transport = BoardTransport(
-        board,
-        replica,
-        count,
-        depot=depot,
-        timeout_s=options.timeout_s,
-        start_s=float(options.connect_timeout_s),
-    )
-    try:
-        board.put(Keys.island("depot", replica), depot.address.encode())
-        history = train.run(
-            config.replace(eval_every=config.steps) if EVAL_AT_END else config,
-            None if out_dir is None else os.path.join(out_dir, f"island-{replica}"),
-            transport=transport,
-            resume=False,  # a restarted island heals from a peer (newer)
-            callback=_StepFile(out_dir, replica, config, min_step_s),
-            progress=progress,
-        )
-        summary = _summary(history, transport, replica, started)
-        _finish(board, replica, out_dir, summary, history.state.global_params)
-        transport.serve_until_end(history.state)  # a peer behind may still heal
-        if transport.served != summary["served_bytes"]:
-            summary["served_bytes"] = transport.served
-            _write(out_dir, f"island-{replica}.json", json.dumps(summary, indent=1))
-        return summary
-    except CourierError as e:  # a round that failed because the board did
-        if isinstance(e.__cause__, BoardError):
-            raise e.__cause__ from None
-        raise
-    finally:
-        transport.close()
-        depot.close()
-        board.close()
+def object_store_size(config: RunConfig) -> int:
+    """Bytes of object store a local job needs: every island's state (a heal in
+    flight) and messages of a few rounds, 16 float32 copies of the model per
+    island, and at least Ray's 78 MB minimum; Ray spills to disk beyond it."""
+    params = config.model_config().num_params()
+    islands = config.method.num_replicas
+    return max(128 << 20, 16 * 4 * params * (islands + 1))
 
 
 def check_min_step_s(min_step_s: float) -> None:
@@ -195,10 +136,112 @@ def check_min_step_s(min_step_s: float) -> None:
         raise ValueError(f"min_step_s={min_step_s}; allowed: 0 <= S < inf seconds.")
 
 
-def _summary(history: train.History, transport: BoardTransport, replica, started):
-    """The island's summary (see `island`)."""
+# ----------------------------------------------------------------- the islands
+
+
+class Island:
+    """One replica island: the actor's class (`ray.remote(Island)`, threaded:
+    `message` answers while `run` trains)."""
+
+    def __init__(self):
+        self.outbox: dict[str, np.ndarray] = {}
+
+    def message(self, name: str) -> np.ndarray:
+        """This island's message of round `name`, for the syncer: the result is an
+        object the syncer owns (`distributed.syncer`)."""
+        return self.outbox[name]
+
+    def run(
+        self,
+        config: RunConfig,
+        replica: int,
+        options: ElasticOptions,
+        out_dir: str | None,
+        syncer: Any,
+        *,
+        resume: bool = True,
+        progress: bool = False,
+        min_step_s: float = 0.0,
+    ) -> dict[str, Any]:
+        """Train island `replica` of `config`; returns `{"summary": ...}`, or
+        `{"error": one line}` when it could not finish (a lost syncer, refused)."""
+        from ..distributed.courier import CourierError
+        from ..distributed.ray_transport import ElasticError, RayTransport, SyncerLost
+        from . import train
+
+        _write(out_dir, f"island-{replica}.pid", str(os.getpid()))
+        started = time.perf_counter()
+        train.enable_compile_cache()  # a restarted island loads its programs
+        transport = RayTransport(
+            syncer,
+            replica,
+            config.method.num_replicas,
+            fields=fingerprint(config),
+            outbox=self.outbox,
+            timeout_s=options.timeout_s,
+            event=_Journal(out_dir, replica),
+        )
+        where = None if out_dir is None else os.path.join(out_dir, f"island-{replica}")
+        try:
+            history = train.run(
+                config.replace(eval_every=config.steps) if EVAL_AT_END else config,
+                where,
+                transport=transport,
+                resume=resume,
+                callback=_StepFile(out_dir, replica, config, min_step_s),
+                progress=progress,
+            )
+        except (ElasticError, CourierError) as e:
+            lost = isinstance(e, SyncerLost) or not _alive(syncer)
+            return {"error": _ended(replica, e, lost, where, out_dir)}
+        summary = _summary(history, transport, replica, started)
+        _finish(out_dir, replica, summary, history.state.global_params)
+        transport.serve_until_end(history.state)  # a peer behind may still heal
+        summary["served_bytes"] = transport.served
+        _write(out_dir, f"island-{replica}.json", json.dumps(summary, indent=1))
+        return {"summary": summary}
+
+
+def _ended(replica, error, lost: bool, where, out_dir) -> str:
+    """The island's one line when it could not finish."""
+    step = _read_step(out_dir, replica)
+    if not lost:
+        return f"island {replica} stopped at step {step}: {error}"
+    saved = _latest_checkpoint(where)
+    kept = (
+        f"its checkpoint of step {saved} is in {where}"
+        if saved is not None
+        else "it has no checkpoint (give --checkpoint-every)"
+    )
+    return (
+        f"island {replica}: lost the syncer at step {step}; {kept}; start the "
+        "same command again to resume the job"
+    )
+
+
+def _alive(syncer: Any) -> bool:
+    import ray
+
+    try:
+        ray.get(syncer.ping.remote(), timeout=5)
+        return True
+    except Exception:  # noqa: BLE001 - any failure: gone
+        return False
+
+
+def _latest_checkpoint(where: str | None) -> int | None:
+    directory = None if where is None else os.path.join(where, "checkpoints")
+    if directory is None or not os.path.isdir(directory):
+        return None
+    steps = [int(n) for n in os.listdir(directory) if n.isdigit()]
+    return max(steps, default=None)
+
+
+def _summary(history: Any, transport: Any, replica: int, started: float) -> dict:
+    """The island's summary: the final evaluation of θ_g, its heal, its rounds."""
     joined = transport.joined_at or time.time()
-    evaluation = {k: v for k, v in history.evals[-1].items() if k != "step"}
+    last = history.evals[-1] if history.evals else {}  # none: healed at the end
+    evaluation = {k: v for k, v in last.items() if k != "step"}
     return {
         "replica": replica,
         "evaluation": evaluation,
@@ -214,6 +257,21 @@ def _summary(history: train.History, transport: BoardTransport, replica, started
         "rounds": [dataclasses.asdict(x) for x in transport.rounds],
         "global_digest": digest(history.state.global_params),
     }
+
+
+class _Journal:
+    """`out/island-<m>.jsonl`: what the island's transport did (served a heal,
+    healed), one JSON line each with `time.time()`."""
+
+    def __init__(self, out_dir, replica: int):
+        self.path = None
+        if out_dir is not None:
+            self.path = os.path.join(out_dir, f"island-{replica}.jsonl")
+
+    def __call__(self, what: str, **details: Any) -> None:
+        if self.path is not None:
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"t": time.time(), "what": what, **details}) + "\n")
 
 
 class _StepFile:
@@ -233,46 +291,13 @@ class _StepFile:
             self.due = max(self.due, time.monotonic()) + self.min_step_s
 
 
-def _finish(board, replica, out_dir, summary, theta_g) -> None:
-    """Write the island's summary and θ_g, then say it is done (then the
-    coordinator may stop the board)."""
+def _finish(out_dir, replica, summary, theta_g) -> None:
+    """Write the island's summary and θ_g."""
     if out_dir is not None:
         _write(out_dir, f"island-{replica}.json", json.dumps(summary, indent=1))
         eqx.tree_serialise_leaves(
             os.path.join(out_dir, f"island-{replica}.eqx"), theta_g
         )
-    board.put(Keys.island("done", replica), b"1")
-
-
-def run_coordinator(
-    num_replicas: int,
-    options: BoardOptions,
-    out_dir: str | os.PathLike | None = None,
-    *,
-    stop: threading.Event | None = None,
-) -> list[dict[str, Any]]:
-    """Serve the board and decide the rounds until every live island is done (or
-    `stop` is set, or SIGTERM); writes `out/coordinator.json` with every decision."""
-    stop = threading.Event() if stop is None else stop
-    board = BoardServer(options.address, heartbeat_s=float(options.heartbeat_s))
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    try:
-        coordinator = Coordinator(
-            board,
-            num_replicas,
-            grace_s=options.grace_s,
-            start_s=float(options.connect_timeout_s),
-            keep_s=options.keep_s,
-            live=board.live,
-        )
-        decisions = coordinator.run(stop.is_set)
-    finally:
-        board.close()
-    records = [dataclasses.asdict(d) for d in decisions]
-    if out_dir is not None:
-        _write(out_dir, "coordinator.json", json.dumps(records, indent=1))
-    return records
 
 
 def digest(tree: Any) -> str:
@@ -281,6 +306,14 @@ def digest(tree: Any) -> str:
     for x in jax.tree.leaves(eqx.filter(tree, eqx.is_array)):
         h.update(np.asarray(x).tobytes())
     return h.hexdigest()
+
+
+def _read_step(out_dir, replica: int) -> int:
+    try:
+        with open(os.path.join(out_dir, f"island-{replica}.step")) as f:
+            return int(f.read() or 0)
+    except (OSError, TypeError, ValueError):
+        return 0
 
 
 def _write(out_dir: str | os.PathLike | None, name: str, text: str) -> None:

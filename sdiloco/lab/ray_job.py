@@ -1,0 +1,172 @@
+"""The elastic job's driver: Ray started or joined, the syncer and islands made, and
+their deaths, restarts and ends watched (`run_job`; `train --elastic`).
+
+The driver is the process of the command. It makes the syncer (`max_restarts=0`:
+a lost syncer ends the job, which the same command resumes from the islands'
+checkpoints) and one island actor per replica (`max_restarts`: Ray restarts a
+killed island, whose `run` the driver calls again; it heals and rejoins), tells
+the syncer which actor is which island (so no other process can claim one) and
+when an island's process died. It ends when every island has ended, with one line
+per island that could not finish, and one line when no island could.
+"""
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+from .config import RunConfig
+from .elastic import ElasticOptions, Island, _write, fingerprint, object_store_size
+
+
+@dataclasses.dataclass
+class JobResult:
+    """What the job left: each finished island's summary, one line for each island
+    that could not finish, and the syncer's report (decisions, refusals)."""
+
+    summaries: dict[int, dict[str, Any]]
+    errors: dict[int, str]
+    syncer: dict[str, Any]
+    restarts: dict[int, int]
+
+
+def start_ray(options: ElasticOptions, config: RunConfig, namespace: str) -> None:
+    """Join `options.address`, or start a local instance: dashboard off, token
+    authentication on, the object store sized to the job (`object_store_size`).
+
+    Token authentication is asked for before Ray is imported (`RAY_AUTH_MODE=token`,
+    which Ray reads once): a local instance makes its token (`~/.ray/auth_token`),
+    a cluster's is read from there or from `RAY_AUTH_TOKEN`. A job refuses to run
+    with it turned off."""
+    mode = os.environ.setdefault("RAY_AUTH_MODE", "token")
+    if mode != "token":
+        raise ValueError(
+            f"RAY_AUTH_MODE={mode!r}; allowed: 'token' (the elastic job keeps Ray's "
+            "token authentication on)."
+        )
+    import ray
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    common: dict[str, Any] = dict(
+        namespace=namespace, log_to_driver=True, configure_logging=False
+    )
+    if options.address is not None:
+        ray.init(address=options.address, **common)
+        return
+    size = options.object_store_bytes or object_store_size(config)
+    ray.init(
+        address="local",  # a new instance, whatever other cluster runs here
+        num_cpus=max(2, os.cpu_count() or 2),
+        object_store_memory=size,
+        include_dashboard=False,
+        **common,
+    )
+
+
+def run_job(
+    config: RunConfig,
+    options: ElasticOptions,
+    out_dir: str | None,
+    *,
+    resume: bool = True,
+    progress: bool = False,
+    min_step_s: float = 0.0,
+) -> JobResult:
+    """Run the elastic job of `config` (M = `config.method.num_replicas` islands)
+    until every island has ended (see the module)."""
+    import ray
+
+    from ..distributed.syncer import Syncer
+
+    count = config.method.num_replicas
+    start_ray(options, config, namespace=f"sdiloco-{os.getpid()}")
+    try:
+        syncer = (
+            ray.remote(Syncer)
+            .options(name="syncer", max_restarts=0, num_cpus=0, max_concurrency=10_000)
+            .remote(
+                count,
+                fingerprint(config),
+                grace_s=options.grace_s,
+                start_s=options.start_s,
+                keep_s=options.keep_s,
+                heartbeat_s=options.heartbeat_s,
+                serve_s=max(10.0, 2 * options.grace_s),
+            )
+        )
+        _write(out_dir, "syncer.pid", str(ray.get(syncer.ping.remote())))
+        context = ray.get_runtime_context()
+        where = {"namespace": context.namespace, "address": context.gcs_address}
+        _write(out_dir, "ray.json", json.dumps(where))
+        actor = ray.remote(Island)
+        islands = [
+            actor.options(
+                name=f"island-{m}",
+                max_restarts=options.max_restarts,
+                max_task_retries=0,
+                num_cpus=0,
+                max_concurrency=4,
+                scheduling_strategy="SPREAD",
+            ).remote()
+            for m in range(count)
+        ]
+        for m, a in enumerate(islands):
+            syncer.register.remote(m, a)
+        args = (options, out_dir, syncer)
+        kw = dict(resume=resume, progress=progress, min_step_s=min_step_s)
+
+        def start(m: int) -> Any:
+            return islands[m].run.remote(config, m, *args, **kw)
+
+        result = _watch(start, count, syncer, options.max_restarts)
+        if out_dir is not None:
+            _write(out_dir, "syncer.json", json.dumps(result.syncer, indent=1))
+        return result
+    finally:
+        ray.shutdown()
+
+
+def _watch(start: Any, count: int, syncer: Any, max_restarts: int) -> JobResult:
+    """Start every island and wait for them all; an island whose process died is
+    started again (Ray restarted its actor) while it has restarts left."""
+    import ray
+    from ray import exceptions as rx
+
+    running = {start(m): m for m in range(count)}
+    result = JobResult({}, {}, {}, {m: 0 for m in range(count)})
+    while running:
+        ready, _ = ray.wait(list(running), num_returns=1, timeout=1.0)
+        for ref in ready:
+            m = running.pop(ref)
+            try:
+                out = ray.get(ref)
+            except rx.RayActorError:
+                result.restarts[m] += 1
+                again = result.restarts[m] <= max_restarts
+                _tell(syncer, "lost", m, not again)
+                if again:
+                    running[start(m)] = m
+                else:
+                    result.errors[m] = (
+                        f"island {m} died {result.restarts[m]} times; no restart "
+                        f"left (max_restarts={max_restarts})"
+                    )
+                continue
+            if "summary" in out:
+                result.summaries[m] = out["summary"]
+            else:
+                result.errors[m] = out["error"]
+                _tell(syncer, "lost", m, True)
+    try:
+        result.syncer = ray.get(syncer.report.remote(), timeout=10)
+    except Exception:  # noqa: BLE001 - the syncer is gone: no report
+        result.syncer = {}
+    return result
+
+
+def _tell(syncer: Any, method: str, *args: Any) -> None:
+    """A call to the syncer that may fail (it is gone: the islands say so)."""
+    try:
+        getattr(syncer, method).remote(*args)
+    except Exception:  # noqa: BLE001
+        pass
