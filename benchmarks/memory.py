@@ -74,17 +74,19 @@ def analytic(
         "inflight": (num_params if inflight_values is None else inflight_values) * 4,
         "sent_at": 4 * num_fragments,
         "inflight_ok": num_fragments,
-        "senders": 4 * num_fragments,
+        # who sent each fragment's Δ in flight (bool) and their inner steps (int32):
+        "senders": num_fragments * replicas,
+        "sent_steps": 4 * num_fragments * replicas,
         "alive": replicas,
         # inner steps each replica took since each fragment's last sync (token weights):
         "steps_since": 4 * replicas * num_fragments,
-        "residual": 0,
+        # The plug-ins' state (error feedback's residual, Eager's stand-ins: M×N
+        # each); the α-merge alone keeps none:
+        "plugin_state": 0,
         "key": 8,
         # The posted exchange's packed messages (none with the in-step exchange):
         "outbox": 0,
         "inbox": 0,
-        # A stateful merge policy's (Eager's stand-ins; none with the alpha-merge):
-        "merge_state": 0,
     }
 
 
@@ -203,7 +205,6 @@ def offload_line(model: str, replicas: int, dp_per_replica: float) -> str:
             run.algorithm.spec.loss_fn,
             config.inner.build(config.steps),
             run.model,
-            has_aux=True,
             offload=True,
         )
         state = alg.init(run.model, jax.random.key(0))

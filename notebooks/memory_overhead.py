@@ -123,8 +123,7 @@ PAPER_TERM = {
     "replica_params": "parameters (1×)",
     "inner_state": "Adam state (2×)",
     "inflight": "in-flight outer gradient (not in the paper)",
-    "residual": "error-feedback residual (off here)",
-    "merge_state": "merge policy's state (Eager's stand-ins; off here)",
+    "plugin_state": "plug-ins' state (error-feedback residual, Eager's stand-ins; off here)",
 }
 state_rows, summary_rows, bars = [], [], {}
 for model_name in MODELS:

@@ -14,6 +14,7 @@ import jax.random as jr
 import numpy as np
 from helpers import toy_batches, toy_params, toy_streaming
 
+import sdiloco
 from sdiloco import distributed
 
 
@@ -30,7 +31,7 @@ def problem(exchange=None):
         layers_per_fragment=2,
         sync_every=2,
         compressor="e3m0",
-        error_feedback=True,
+        plugins=sdiloco.error_feedback(),
         **extra,
     )
     return alg, params, toy_batches(jr.key(1), steps=STEPS, replicas=2)

@@ -161,6 +161,18 @@ def toy_streaming(params, *, num_replicas, layers_per_fragment=1, **kwargs):
     return sdiloco.streaming_diloco(toy_loss, **{**options, **kwargs})
 
 
+def plugin_state(alg, state, kind):
+    """The state of `alg`'s plug-in of type `kind` (e.g. `sdiloco.plugins.ErrorFeedback`),
+    its leaf lists put back in the shape of the parameters (`[M, ...]` leaves)."""
+    (found,) = [
+        s
+        for p, s in zip(alg.spec.plugin.plugins, state.plugin_state)
+        if isinstance(p, kind)
+    ]
+    like = eqx.filter(state.global_params, eqx.is_inexact_array)
+    return jax.tree.unflatten(jax.tree.structure(like), found)
+
+
 def cpu_env(devices: int, *paths: str) -> dict:
     """The environment of a test subprocess: CPU only, `devices` CPU devices, the
     tests' other XLA flags (so that it compiles as the test does), and `paths` (the

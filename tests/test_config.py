@@ -17,6 +17,7 @@ import optax.contrib
 import pytest
 from hypothesis import given, settings, strategies as st
 
+import sdiloco
 from sdiloco.lab import config as config_lib, model as model_lib
 
 
@@ -440,6 +441,16 @@ def test_muon_refuses_a_model_without_the_transformer_matrices():
             "StreamingConfig.merge='lazy'",
         ),
         (lambda: config_lib.preset("diloco", method={"merge": "eager"}), "merge"),
+        (
+            lambda: config_lib.StreamingConfig(merge="eager", alpha=0.3),
+            "StreamingConfig.alpha=0.3 with merge='eager'",
+        ),
+        (
+            lambda: config_lib.StreamingConfig(
+                quantizer=None, compressor="int2,ef", error_feedback=True
+            ).build_plugins(),
+            "StreamingConfig.error_feedback=True with compressor='int2,ef'",
+        ),
     ],
 )
 def test_bad_optimizer_compressor_and_merge_values_are_one_line(build, message):
@@ -449,17 +460,28 @@ def test_bad_optimizer_compressor_and_merge_values_are_one_line(build, message):
 
 
 def test_compressor_spec_and_merge_reach_the_algorithm():
-    from sdiloco.compression import parse
+    from sdiloco.compression import parse_with_feedback
 
     spec = "topk:0.03/64,int2,ef:0.9"
     c = config_lib.StreamingConfig(quantizer=None, compressor=spec)
-    assert c.build_compressor() == parse(spec)
+    compressor, feedback = parse_with_feedback(spec)
+    assert c.build_compressor() == compressor
+    assert c.build_plugins() == (feedback,) and feedback == sdiloco.error_feedback(0.9)
+    flag = config_lib.StreamingConfig(error_feedback=True)
+    assert flag.build_plugins() == (sdiloco.error_feedback(1.0),)
     model = model_lib.Transformer(model_lib.preset("tiny-xxxs"), key=jr.key(0))
     for merge in ("alpha", "eager"):
         method = config_lib.StreamingConfig(sync_every=4, merge=merge)
         alg = method.build(model_lib.loss_fn, optax.sgd(0.1), model)
+        merging = (
+            sdiloco.alpha_merge(method.alpha) if merge == "alpha" else sdiloco.eager()
+        )
+        assert alg.spec.plugin.plugins == (merging,)
         state = alg.init(model, jr.key(1))
-        assert (state.merge_state is not None) == (merge == "eager")
+        # Eager's stand-ins are state, one per replica; the α-merge keeps none.
+        stand_ins = jax.tree.leaves(state.plugin_state)
+        assert bool(stand_ins) == (merge == "eager")
+        assert all(x.shape[0] == method.num_replicas for x in stand_ins)
 
 
 @pytest.mark.parametrize("name", ["muloco", "sparseloco", "eager"])

@@ -35,11 +35,13 @@ from sdiloco.lab.checkpoint import Checkpointer
 M = 2
 TOL = dict(rtol=1e-5, atol=1e-6)
 CASES = {
-    "e3m0_ef": dict(compressor="e3m0", error_feedback=True),
+    "e3m0_ef": dict(compressor="e3m0", plugins=sdiloco.error_feedback()),
     "fp32_tau2": dict(overlap=2),
     "e3m0_tau_per_replica": dict(compressor="e3m0", overlap=(1, 2)),
     "fp32_tau0": dict(overlap=0),  # DiLoCo: the messages move between the halves
-    "e3m0_ef_tau0": dict(compressor="e3m0", error_feedback=True, overlap=0),
+    "e3m0_ef_tau0": dict(
+        compressor="e3m0", plugins=sdiloco.error_feedback(), overlap=0
+    ),
 }
 
 
@@ -120,7 +122,7 @@ def test_a_courier_started_mid_flight_posts_again():
 def test_courier_on_a_mesh_agrees_and_its_programs_hold_no_collective():
     params = toy_params(jr.key(5))
     batches = toy_batches(jr.key(6), steps=10, replicas=M)
-    kw = dict(compressor="e3m0", error_feedback=True)
+    kw = dict(compressor="e3m0", plugins=sdiloco.error_feedback())
     mesh, comm = distributed.courier_meshes(M, jax.devices()[:3])
     assert comm.devices.size == 1 and comm.devices.flat[0] not in mesh.devices.flat
     ref_alg = toy_streaming(params, num_replicas=M, **kw)

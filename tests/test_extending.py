@@ -12,7 +12,7 @@ DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "extending.md"
 
 def test_extending_examples_run_and_train():
     blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S)
-    assert len(blocks) == 7, "the setting, three methods, a stage, a policy, an outer"
+    assert len(blocks) == 7, "the setting, three methods, a stage, a merge, an outer"
     namespace: dict = {}
     losses = []
     with jax.numpy_dtype_promotion("standard"):  # optax's AdamW is not strict-clean

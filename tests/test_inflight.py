@@ -104,10 +104,12 @@ def test_state_holds_one_slot_of_the_largest_fragment():
     share = sdiloco.per_replica_bytes(state)
     # θ_m, Adam's two moments, θ_g, the outer momentum: 5N; plus the slot, the
     # scalars (step, Adam's counts, key) and the per-fragment bookkeeping (sent at,
-    # senders, each replica's steps since the sync): far below the old 6N.
+    # each replica's steps since the sync, who sent the Δ in flight and their steps
+    # then): far below the old 6N.
     p, m = frags.num_fragments, 2
     assert share["inflight"] == 4 * max(frags.sizes()) < 4 * n
-    bookkeeping = 4 * p * (2 + m) + p + m
+    assert state.senders.shape == state.sent_steps.shape == (p, m)
+    bookkeeping = 4 * p * (1 + 2 * m) + p * m + p + m
     assert sum(share.values()) <= 4 * (5 * n + max(frags.sizes())) + 64 + bookkeeping
 
 

@@ -38,7 +38,7 @@ def _run(offload, steps=10, **kw):
 @pytest.mark.parametrize(
     "options",
     [
-        dict(compressor="e3m0", error_feedback=True),
+        dict(compressor="e3m0", plugins=sdiloco.error_feedback()),
         dict(compressor=None, overlap=2, sync_every=4),
     ],
 )

@@ -12,10 +12,16 @@ import jax.random as jr
 import numpy as np
 import optax
 import pytest
-from helpers import assert_trees_allclose, assert_trees_equal
+from helpers import (
+    assert_trees_allclose,
+    assert_trees_equal,
+    plugin_state,
+    tree_equal,
+)
 from hypothesis import given, settings, strategies as st
 
 import sdiloco
+from sdiloco.aggregation import token_weighted_mean
 from sdiloco.participation import Participation, everyone
 
 
@@ -54,7 +60,7 @@ def _batches(num_replicas, steps=STEPS, seed=1):
     ]
 
 
-def _streaming(num_replicas=3, compressor="e3m0", heal="copy", **kw):
+def _streaming(num_replicas=3, compressor="e3m0", **kw):
     params = _params()
     frags = sdiloco.fragments_from_labels(params, {"a": 0, "b": 1, "c": 0})
     return sdiloco.streaming_diloco(
@@ -67,7 +73,6 @@ def _streaming(num_replicas=3, compressor="e3m0", heal="copy", **kw):
         overlap=1,
         alpha=0.5,
         compressor=compressor,
-        heal=heal,
         **kw,
     )
 
@@ -84,7 +89,8 @@ def _run(alg, batches, trace=None, state=None):
 
 @pytest.mark.parametrize("compressor", [None, "e3m0"])
 def test_everyone_present_is_the_step_without_participation_bitwise(compressor):
-    alg = _streaming(compressor=compressor, error_feedback=compressor is not None)
+    plugins = () if compressor is None else sdiloco.error_feedback()
+    alg = _streaming(compressor=compressor, plugins=plugins)
     batches = _batches(3)
     plain = _run(alg, batches)
     full = _run(alg, batches, [everyone(3)] * STEPS)
@@ -146,22 +152,31 @@ def test_an_absent_replicas_data_and_parameters_never_reach_the_global_model():
     )
 
 
-@pytest.mark.parametrize("heal", ["copy", "reset"])
-def test_a_replica_that_comes_back_holds_the_global_model(heal):
-    alg = _streaming(3, heal=heal)
+@pytest.mark.parametrize("peer", [True, False])
+def test_a_replica_that_comes_back_holds_the_global_model(peer):
+    """It takes θ_g and the inner state of a peer that stayed alive, or a fresh one
+    from θ_g when none did (here all three were away at the last step, after two
+    steps of training: the fresh state is not the one they left)."""
+    alg = _streaming(3)
     batches = _batches(3)
-    away = [Participation.of([True, False, True])] * 2
-    state = _run(alg, batches[:2], away)
+    if peer:  # replica 1 away at t = 1, 2
+        away = [Participation.of([True, False, True])] * 2
+    else:  # everyone trains at t = 1, 2, and nobody is alive at t = 3
+        away = [everyone(3)] * 2 + [Participation.of([False] * 3)]
+    t = len(away)
+    state = _run(alg, batches[:t], away)
     back = Participation.of([True, True, True], computes=[True, False, True])
-    state, _ = jax.jit(alg.step)(state, batches[2], back)  # t = 3: nothing arrives
+    state, _ = jax.jit(alg.step)(state, batches[t], back)  # nothing arrives
     assert_trees_equal(
         jax.tree.map(lambda x: x[1], state.replica_params), state.global_params
     )
     inner = jax.tree.map(lambda x: x[1], state.inner_state)
-    if heal == "copy":  # replica 0's state before its step at t = 7
-        donor = _run(alg, batches[:2], away).inner_state
+    if peer:  # replica 0's state before its step at t = 3
+        donor = _run(alg, batches[:t], away).inner_state
         assert_trees_equal(inner, jax.tree.map(lambda x: x[0], donor))
     else:
+        left = jax.tree.map(lambda x: x[1], _run(alg, batches[:t], away).inner_state)
+        assert not tree_equal(inner, left)
         assert_trees_equal(inner, optax.adam(1e-2).init(state.global_params))
 
 
@@ -207,7 +222,7 @@ def test_no_replica_sending_skips_the_outer_step():
     trace = [nobody] * STEPS
     state = _run(alg, batches, trace)
     assert_trees_equal(state.global_params, _params())  # no outer step ever applied
-    assert int(state.senders.max()) == 0
+    assert state.senders.shape == (2, 3) and not state.senders.any()
 
 
 @pytest.mark.parametrize(
@@ -246,7 +261,7 @@ def test_token_weighting_is_the_mean_weighted_by_the_steps_each_replica_took():
         [True, True, False],
     ]
     trace = [Participation.of([True] * 3, computes=c) for c in computes]
-    alg = _streaming(3, compressor=None, weighting="tokens")
+    alg = _streaming(3, compressor=None, aggregator=token_weighted_mean())
     state = _run(alg, batches[:4], trace)
     w = np.sum(computes, axis=0).astype(np.float64)  # 4, 2, 2
     g = jax.tree.map(lambda x: np.asarray(x, np.float64), state.global_params)
@@ -257,13 +272,45 @@ def test_token_weighting_is_the_mean_weighted_by_the_steps_each_replica_took():
         np.testing.assert_allclose(np.asarray(got[k]), want, rtol=1e-5, atol=1e-6)
     uniform = _run(_streaming(3, compressor=None), batches, [everyone(3)] * STEPS)
     tokens = _run(
-        _streaming(3, compressor=None, weighting="tokens"),
+        _streaming(3, compressor=None, aggregator=token_weighted_mean()),
         batches,
         [everyone(3)] * STEPS,
     )
     assert_trees_equal(uniform.global_params, tokens.global_params)
 
 
-def test_token_weighting_refuses_error_feedback():
-    with pytest.raises(ValueError, match="weighting='tokens' with error_feedback=True"):
-        _streaming(3, weighting="tokens", error_feedback=True)
+def test_token_weighting_with_error_feedback_weighs_the_decoded_messages():
+    """Token weighting acts after decoding, so it combines with error feedback: after
+    the first send of fragment 1 (t = 6, E3M0, zero residual before it) its
+    in-flight Δ̄ is Σ w_m Q(Δ_m) / Σ w_m, each replica's own reconstruction
+    `Q(Δ_m) = Δ_m − e_m` (float64 reference), and each residual `e_m` is the
+    replica's own, unweighted compression error."""
+    from sdiloco.analysis import inflight_outer_gradients
+
+    computes = [
+        [True, True, True],
+        [True, False, True],
+        [True, False, False],
+        [True, True, False],
+        [False, True, True],
+        [True, True, False],
+    ]
+    trace = [Participation.of([True] * 3, computes=c) for c in computes]
+    alg = _streaming(
+        3, aggregator=token_weighted_mean(), plugins=sdiloco.error_feedback()
+    )
+    state = _run(alg, _batches(3)[:6], trace)
+    assert np.asarray(state.sent_at).tolist() == [4, 6]
+    w = np.sum(computes, axis=0).astype(np.float64)  # 5, 4, 3
+    g = np.asarray(state.global_params["b"], np.float64)
+    delta = g[None] - np.asarray(state.replica_params["b"], np.float64)
+    e = np.asarray(plugin_state(alg, state, sdiloco.plugins.ErrorFeedback)["b"])
+    q = sdiloco.quantizer("e3m0")
+    own = np.asarray(jax.vmap(q)(jnp.asarray(delta, jnp.float32)), np.float64)
+    np.testing.assert_allclose(e, delta - own, atol=1e-6)
+    assert np.abs(e).max() > 0  # E3M0 left something out: Q(Δ_m) is not Δ_m
+    got = inflight_outer_gradients(alg.spec, state)["b"]
+    want = np.tensordot(w, own, axes=1) / w.sum()
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
+    raw = np.tensordot(w, delta, axes=1) / w.sum()  # what Q left out is not in Δ̄
+    assert not np.allclose(np.asarray(got), raw, rtol=1e-5, atol=1e-6)

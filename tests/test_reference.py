@@ -301,9 +301,8 @@ def test_beyond_the_paper_matches_float64_numpy_reference(spec, beta, mu, merge,
                 params, blocks=lambda p: p["blocks"], layers_per_fragment=k
             ),
             overlap=taus,
-            alpha=0.5,
             compressor=spec,
-            merge=merge,
+            plugins=sdiloco.alpha_merge(0.5) if merge == "alpha" else sdiloco.eager(),
         )
         state = alg.init(params)
         step = eqx.filter_jit(alg.step)

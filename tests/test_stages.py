@@ -14,23 +14,24 @@ import jax.random as jr
 import numpy as np
 import optax
 import pytest
+from helpers import plugin_state
 from hypothesis import given
 
 import sdiloco
 from sdiloco.compression import (
     ChunkedTopK,
-    ErrorFeedback,
     chain,
     chunked_top_k,
     dare,
-    error_feedback,
     message_bits,
     min_max,
     parse,
+    parse_with_feedback,
     quantizer,
     top_k,
 )
-from sdiloco.compression.stages import split_feedback
+from sdiloco.inflight import Group, Visit
+from sdiloco.plugins import ErrorFeedback, Send, error_feedback
 
 
 SPECS = (
@@ -86,7 +87,7 @@ def test_decode_of_encode_is_the_round_trip(spec, x, seed):
 @pytest.mark.parametrize("shape", SHAPES + ((1,), (640,)))
 def test_bits_are_the_message(spec, shape):
     """`bits` equals the message's fields' sizes times their widths."""
-    codec, _ = split_feedback(parse(spec))
+    codec, _ = parse_with_feedback(spec)
     assert codec is not None
     assert codec.bits(shape) == message_bits(codec, shape) > 0
 
@@ -105,8 +106,7 @@ def test_one_stage_chain_is_that_stage_bitwise():
         key = _key(5) if stage.needs_key else None
         a = chain(stage)(x, key)
         np.testing.assert_array_equal(np.asarray(a), np.asarray(stage(x, key)))
-        codec, feedback = split_feedback(chain(stage))
-        assert codec is stage and feedback is None
+        assert chain(stage) is stage
 
 
 _dyadic = st.integers(-(2**10), 2**10).map(lambda i: np.float32(i / 8))
@@ -121,12 +121,15 @@ _dyadic = st.integers(-(2**10), 2**10).map(lambda i: np.float32(i / 8))
 )
 def test_error_feedback_sent_plus_residual_is_input_plus_decayed_residual(spec, d, e):
     """sent + new residual = Δ + β·old residual, exactly (on values whose sums and
-    scaled grid points are exact in float32: multiples of 1/8 below 2^7)."""
-    codec, fb = split_feedback(parse(spec))
-    assert fb is not None and codec is not None
-    a = fb.accumulate(jnp.asarray(d), jnp.asarray(e))
+    scaled grid points are exact in float32: multiples of 1/8 below 2^7). The
+    plug-in's hooks on one fragment that is the whole tensor."""
+    codec, fb = parse_with_feedback(spec)
+    assert isinstance(fb, ErrorFeedback) and codec is not None
+    whole = Group((0,), (0,), (None,), (d.shape[1:],))
+    send = Send(Visit.of(whole, 0), None, [], lambda g: g)
+    (a,), state = fb.before_send(send, [jnp.asarray(d)], [jnp.asarray(e)])
     sent = codec(a)
-    new = fb.residual(a, sent)
+    _, (new,) = fb.after_send(send, [a], [sent], [], state)
     lhs = np.asarray(sent, np.float64) + np.asarray(new, np.float64)
     rhs = d.astype(np.float64) + fb.beta * e.astype(np.float64)
     np.testing.assert_array_equal(lhs, rhs)
@@ -215,33 +218,42 @@ def test_min_max_rows_match_numpy(x, bits):
         ("topk:0.1/0", "chunk=0"),
         ("topk:1.5", "fraction=1.5"),
         ("int4:blok3", "unknown option 'blok3'"),
-        ("ef,int2", "error_feedback, which must be the last stage"),
+        ("ef,int2", "stage 0 is ef, which must be the last stage"),
         ("int2,topk:0.1", "no float 'values' for the next stage"),
-        ("ef", "at least one compressing stage"),
+        ("ef", "no compressing stage before ef"),
         ("int2,ef:1.5", "beta=1.5"),
         ("int9mm", "unknown stage 'int9mm'"),
     ],
 )
 def test_bad_spec_is_one_line_naming_the_value(spec, match):
-    with pytest.raises(ValueError, match=match) as info:
+    for read in (parse, parse_with_feedback):
+        with pytest.raises(ValueError, match=match) as info:
+            read(spec)
+        assert "\n" not in str(info.value) and repr(spec) in str(info.value)
+
+
+@pytest.mark.parametrize("spec", ["int2,ef", "topk:0.02/64,int2,ef:0.9"])
+def test_parse_refuses_error_feedback_which_is_a_plug_in(spec):
+    with pytest.raises(ValueError, match="ends in error feedback, a plug-in") as info:
         parse(spec)
     assert "\n" not in str(info.value) and repr(spec) in str(info.value)
 
 
 def test_spec_builds_the_stages():
     assert parse("none") is None
-    c = parse("topk:0.02/64,int2,ef:0.9")
-    assert c == chain(
-        chunked_top_k(0.02, chunk=64), quantizer("int2"), error_feedback(0.9)
-    )
+    assert parse_with_feedback("none") == (None, None)
+    assert parse_with_feedback("int2") == (quantizer("int2"), None)
+    c, ef = parse_with_feedback("topk:0.02/64,int2,ef:0.9")
+    assert c == chain(chunked_top_k(0.02, chunk=64), quantizer("int2"))
+    assert ef == error_feedback(0.9)
+    assert parse_with_feedback("int2,ef") == (quantizer("int2"), error_feedback(1.0))
     assert parse("topk:0.1") == top_k(0.1) and parse("dare:0.5") == dare(0.5)
     assert parse("int4:block64:sr") == quantizer(
         "int4", granularity="block", block_size=64, rounding="stochastic"
     )
     assert parse("int8mm") == min_max(8, granularity="row")
-    assert isinstance(c.stages[0], ChunkedTopK) and isinstance(
-        c.feedback, ErrorFeedback
-    )
+    assert isinstance(c, sdiloco.compression.Chain)
+    assert isinstance(c.stages[0], ChunkedTopK) and isinstance(ef, ErrorFeedback)
 
 
 # ----------------------------------------------------- in the algorithm: keys, state
@@ -271,7 +283,7 @@ def _ef_residuals(compressor, *, first_send=(2, 2)):
     for _ in range(2):
         state, _ = alg.step(state, batch)
     assert int(state.sent_at[0]) == 2
-    return state.residual
+    return plugin_state(alg, state, ErrorFeedback)
 
 
 @pytest.mark.parametrize("spec", ["int4:sr,ef", "topk:0.5/4,int2:sr,ef:0.9"])

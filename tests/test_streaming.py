@@ -11,6 +11,7 @@ from helpers import (
     arrays,
     assert_trees_allclose,
     assert_trees_equal,
+    plugin_state,
     relaxed,
     toy_batches,
     toy_loss,
@@ -22,7 +23,9 @@ from hypothesis import given, settings, strategies as st
 
 import sdiloco
 from sdiloco.inflight import Visit, make_layout
-from sdiloco.outer import fragment_outer_step, merge, outer_init
+from sdiloco.merging import merge
+from sdiloco.outer import fragment_outer_step, outer_init
+from sdiloco.plugins import ErrorFeedback
 from sdiloco.schedule import make_schedule
 
 
@@ -355,7 +358,7 @@ def test_compiles_once_and_state_is_stable(dtype):
         num_replicas=M,
         overlap=(0, 1, 2),
         compressor=sdiloco.quantizer("e3m0", rounding="stochastic"),
-        error_feedback=True,
+        plugins=sdiloco.error_feedback(),
     )
     step = eqx.filter_jit(eqx.debug.assert_max_traces(alg.step, max_traces=1))
     state = alg.init(params, jr.key(0))
@@ -472,7 +475,10 @@ def test_nonfinite_raise_policy():
         (dict(overlap=(1, 1, 1)), "per replica"),
         (dict(compressor="e3m1"), "format"),
         (dict(nonfinite="ignore"), "nonfinite"),
-        (dict(error_feedback=True), "error_feedback"),
+        (dict(compressor="ef,int2"), "ef, which must be the last stage"),
+        (dict(compressor="int2,ef:1.5"), "beta=1.5"),
+        (dict(plugins=sdiloco.eager(), alpha=0.5), "alpha=0.5 with plugins that merge"),
+        (dict(plugins=(sdiloco.eager(), sdiloco.alpha_merge())), "each merge"),
     ],
 )
 def test_bad_config(kwargs, match):
@@ -539,7 +545,7 @@ def test_error_feedback_carries_the_residual():
         overlap=1,
         alpha=0.5,
         compressor=q,
-        error_feedback=True,
+        plugins=sdiloco.error_feedback(),
     )
     history, metrics = _run(alg, params, toy_batches(jr.key(24), steps=10, replicas=M))
     checked = 0
@@ -549,8 +555,8 @@ def test_error_feedback_carries_the_residual():
         leaves = zip(
             jax.tree.leaves(before.global_params),
             jax.tree.leaves(after.replica_params),
-            jax.tree.leaves(before.residual),
-            jax.tree.leaves(after.residual),
+            jax.tree.leaves(plugin_state(alg, before, ErrorFeedback)),
+            jax.tree.leaves(plugin_state(alg, after, ErrorFeedback)),
             masks,
             frags.labels,
         )
@@ -571,6 +577,7 @@ def test_error_feedback_carries_the_residual():
                 checked += 1
         if sent.any():
             assert any(
-                np.abs(np.asarray(e)).max() > 0 for e in jax.tree.leaves(after.residual)
+                np.abs(np.asarray(e)).max() > 0
+                for e in jax.tree.leaves(plugin_state(alg, after, ErrorFeedback))
             )
     assert checked >= 3 * M

@@ -40,11 +40,10 @@ def _setup(num_replicas, overlap, alpha, seed, compressor=None, first_send=(2, 3
         outer=optax.sgd(0.7, momentum=0.9, nesterov=True),
         schedule=make_schedule(4, 2, num_replicas, overlap, first_send),
         fragments=frags,
-        alpha=alpha,
         compressor=compressor,
-        feedback=None,
+        plugin=sdiloco.plugins.chain(sdiloco.alpha_merge(alpha)),
+        aggregator=sdiloco.aggregation.mean(),
         nonfinite="skip",
-        has_aux=False,
         exchange=simulated_exchange,
     )
     keys = jr.split(jr.key(seed), 4)
@@ -198,9 +197,8 @@ def test_state_declares_its_replica_fields():
     assert sdiloco.replica_fields(state) == (
         "replica_params",
         "inner_state",
-        "residual",
+        "plugin_state",
         "outbox",
-        "merge_state",
     )
     for name in sdiloco.replica_fields(state):
         for x in jax.tree.leaves(getattr(state, name)):
@@ -213,6 +211,13 @@ def test_state_declares_its_replica_fields():
     n_bytes = 4 * sum(int(np.prod(s)) for s in SHAPES.values())
     assert share["replica_params"] == n_bytes  # one replica's slice of [3, ...]
     assert share["global_params"] == n_bytes  # shared: held whole
+    # The plug-ins' state carries M too: error feedback's residual and Eager's
+    # stand-ins, one of each per replica and parameter.
+    plugin = sdiloco.plugins.chain(sdiloco.error_feedback(), sdiloco.eager())
+    stateful = streaming_init(spec._replace(plugin=plugin), state.global_params)
+    leaves = jax.tree.leaves(stateful.plugin_state)
+    assert len(leaves) == 2 * len(SHAPES) and all(x.shape[0] == 3 for x in leaves)
+    assert sdiloco.per_replica_bytes(stateful)["plugin_state"] == 2 * n_bytes
     assert isinstance(state, sdiloco.AlgorithmState)
     assert isinstance(simulated_exchange, sdiloco.Exchange)
 

@@ -19,7 +19,6 @@ from hypothesis import given, settings, strategies as st
 
 import sdiloco
 from sdiloco import communication, distributed
-from sdiloco.compression.stages import split_feedback
 from sdiloco.distributed.exchange import assemble, replica_keys
 from sdiloco.distributed.wire import Wire, pack_bits, unpack_bits
 
@@ -93,7 +92,7 @@ def _problem(recipe):
     deltas = [jr.normal(k, (M,) + x.shape) for k, x in zip(keys, leaves)]
     compressor = None
     if recipe is not None:
-        compressor, _ = split_feedback(sdiloco.compression.parse(recipe))
+        compressor, _ = sdiloco.compression.parse_with_feedback(recipe)
     return compressor, frags, deltas, jr.key_data(jr.key(2))
 
 
