@@ -87,14 +87,15 @@ class TokenWeightedMean(Aggregator):
             return Mean()(rows, sent, None)
         w = jnp.where(sent, steps, 0).astype(jnp.float32)
         total = jnp.sum(w)
-        uniform = Mean()(rows, sent, None)
-        out = []
-        for r, u in zip(rows, uniform):
-            wr = w.astype(r.dtype).reshape((-1,) + (1,) * (r.ndim - 1))
-            weighted = jnp.sum(_where_sent(sent, r, 0.0) * wr, axis=0)
-            weighted = weighted / jnp.maximum(total, 1.0).astype(r.dtype)
-            out.append(jnp.where(total > 0, weighted, u))
-        return out
+        # each row scaled by n·w_m / Σw (exactly 1 when the weights are equal), so
+        # the mean over the n senders is the weighted mean
+        n = jnp.sum(sent).astype(jnp.float32)
+        factor = jnp.where(total > 0, n * w / jnp.maximum(total, 1.0), 1.0)
+        scaled = [
+            r * factor.astype(r.dtype).reshape((-1,) + (1,) * (r.ndim - 1))
+            for r in rows
+        ]
+        return Mean()(scaled, sent, None)
 
 
 class TrimmedMean(Aggregator):

@@ -343,7 +343,6 @@ def _courier_template(config):
         sdiloco.lab.model.loss_with_aux,
         config.inner.build(config.steps),
         r.model,
-        has_aux=True,
         exchange=sdiloco.distributed.posted_exchange(),
     )
     return r.init_state()
