@@ -147,7 +147,7 @@ def bench_rounds(sizes_mb: Sequence[int], islands: Sequence[int], repeats: int) 
     out: dict = {}
     for count in islands:
         largest = max(sizes_mb) << 20
-        ray, _, peers = _light_job(count, (count * 2 + 2) * largest)
+        ray, _, peers = _light_job(count, max(128 << 20, (count * 2 + 2) * largest))
         for mb in sizes_mb:
             times = ray.get([p.rounds.remote(mb << 20, repeats) for p in peers])
             per_round = [max(t[r] for t in times) for r in range(1, repeats + 1)]
@@ -165,7 +165,7 @@ def bench_rounds(sizes_mb: Sequence[int], islands: Sequence[int], repeats: int) 
 def bench_heal(sizes_mb: Sequence[int], repeats: int) -> dict:
     out: dict = {}
     for mb in sizes_mb:
-        ray, _, peers = _light_job(2, 3 * (mb << 20) + (64 << 20))
+        ray, _, peers = _light_job(2, 3 * (mb << 20) + (128 << 20))
         times = []
         for _ in range(repeats):
             served = peers[0].serve_once.remote(mb << 20)
@@ -408,7 +408,10 @@ def _chaos_record(chaos, free, steps, chaos_s, free_s, start, faults_path) -> di
         decisions = report["decisions"]
         runs[name] = {
             "digests": sorted({s["global_digest"] for s in summaries}),
-            "eval": summaries[0]["evaluation"].get("eval/global"),
+            "eval": next(
+                (s["evaluation"]["eval/global"] for s in summaries if s["evaluation"]),
+                None,
+            ),
             "rounds": len(decisions),
             "full_rounds": sum(len(d["members"]) == 6 for d in decisions),
             "timed_out": sum(d["timed_out"] for d in decisions),
@@ -433,17 +436,75 @@ def _chaos_record(chaos, free, steps, chaos_s, free_s, start, faults_path) -> di
     }
 
 
+# ----------------------------------------------------------------------- tables
+
+
+def tables() -> str:
+    """The tables of docs/elastic.md, written from the records."""
+    lines = []
+    rounds = _load("elastic_ray_rounds.json").get("rounds", {})
+    old = _load("elastic_rounds.json").get("islands", {})
+    lines += [
+        "| message | Ray, 3 islands | board, 3 | gloo, 3 | Ray, 4 islands | board, 4 | gloo, 4 |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for mb in SIZES_MB:
+        row = [f"{mb:,} MB"]
+        for count in (3, 4):
+            ray = rounds.get(f"{count}x{mb}MB", {}).get("median_s")
+            cell = old.get(str(count), {}).get(str(mb), {})
+            board = cell.get("board", {}).get("median_s")
+            gloo = cell.get("gloo", {}).get("median_s")
+            row += [_s(ray), _s(board), _s(gloo)]
+        lines.append("| " + " | ".join(row) + " |")
+    heal = _load("elastic_ray_heal.json").get("heal", {})
+    lines += ["", "| state | heal (ask, serve, fetch, deserialise) |", "|---|---|"]
+    lines += [f"| {v['mb']:,} MB | {_s(v['median_s'])} |" for v in heal.values()]
+    kill = _load("elastic_ray.json").get("kill", {})
+    if kill:
+        lines += [
+            "",
+            "| after a SIGKILL (3 islands, tiny-xxs) | seconds |",
+            "|---|---|",
+            f"| survivors' stall (the round without it) | {_s(kill['stall_s'])} |",
+            f"| restart to ready (Ray restart, imports, compile cache) | {_s(kill['restart_to_ready_s'])} |",
+            f"| heal ({kill['heal_bytes']:,} bytes) | {_s(kill['heal_s'])} |",
+            f"| kill to its first round as a member | {_s(kill['kill_to_rejoin_s'])} |",
+            "",
+            "| memory (RSS) | MB |",
+            "|---|---|",
+            f"| Ray per job (gcs_server, raylet, agents, idle workers) | {kill['ray_per_job_mb']:.0f} |",
+            f"| an island's process | {kill['island_rss_mb']:.0f} |",
+            f"| the same program without Ray | {kill['same_program_without_ray_mb']:.0f} |",
+            f"| Ray per island | {kill['ray_per_island_mb']:.0f} |",
+        ]
+    return "\n".join(lines)
+
+
+def _s(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.3f} s" if x < 1 else f"{x:.2f} s"
+
+
+def _load(name: str) -> dict:
+    path = MEASURED / name
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
 # ------------------------------------------------------------------------ main
 
 
 def _isolated() -> bool:
-    """Whether this process is in a network namespace whose only interface is lo."""
-    return sorted(os.listdir("/sys/class/net")) == ["lo"]
+    """Whether this process is in a network namespace whose only interface is lo
+    (`/proc/self/net/dev` is this namespace's; `/sys/class/net` is the mount's)."""
+    lines = pathlib.Path("/proc/self/net/dev").read_text().splitlines()[2:]
+    return [line.split(":")[0].strip() for line in lines] == ["lo"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    for mode in ("rounds", "heal", "kill", "chaos"):
+    for mode in ("rounds", "heal", "kill", "chaos", "table"):
         parser.add_argument(f"--{mode}", action="store_true")
     parser.add_argument("--sizes", default=",".join(map(str, SIZES_MB)), help="MB")
     parser.add_argument("--islands", default="3,4")
@@ -451,6 +512,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.table:
+        print(tables())
+        return 0
     if not _isolated():
         if os.geteuid() != 0 or shutil.which("unshare") is None:
             print(
@@ -482,7 +546,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _save(name: str, record: dict) -> None:
+    """Write the record, keeping the entries of an earlier one that this run did
+    not measure (e.g. `--islands 4` after `--islands 3`)."""
     path = MEASURED / name
+    if path.exists():
+        old = json.loads(path.read_text())
+        for key in ("rounds", "heal"):
+            if key in record and key in old:
+                record[key] = {**old[key], **record[key]}
     path.write_text(json.dumps(record, indent=1) + "\n")
     print(f"wrote {path}", flush=True)
 

@@ -215,3 +215,27 @@ def test_an_island_not_healed_yet_never_counts_in_a_round():
         assert members == () and refs == {} and s.unhealed_posts == 1
 
     run(go())
+
+
+def test_a_healed_island_finds_the_rounds_in_flight_in_the_state_it_took():
+    # Healed at step 12: round 12-0 is in flight in its peer's state. The members'
+    # reads must not drop it before the healed island read it, however long it
+    # took to go on (here: longer than the heartbeat, not live any more).
+    async def go():
+        s = _syncer(heartbeat_s=0.05)
+        await _hello_all(s)
+        s.healing.add(1)
+        s.expected.discard(1)
+        await asyncio.gather(s.arrive("12-0", 0, True), s.arrive("12-0", 2, True))
+        s.healed(1, "n", step=12)
+        await asyncio.sleep(0.1)  # island 1 silent longer than the heartbeat
+        s.got("12-0", 0)
+        s.got("12-0", 2)
+        members, refs = await s.arrive("12-0", 1, False)
+        assert members == (0, 2) and set(refs) == {0, 2}
+        s.got("12-0", 1)
+        assert not s.rounds["12-0"].refs  # now every reader has it
+        await s.arrive("18-0", 1, True)  # it posts again: no longer rejoining
+        assert 1 not in s.rejoining
+
+    run(go())

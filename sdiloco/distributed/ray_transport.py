@@ -228,7 +228,7 @@ class RayTransport(Transport):
                     raise
                 self._say(f"a heal failed ({e}); asking again")
         new = eqx.tree_deserialise_leaves(io.BytesIO(blob.tobytes()), _host(state))
-        self.call("healed", self.replica, nonce)
+        self.call("healed", self.replica, nonce, int(new.step))
         new = streaming.adopt_global(spec, new)
         self.quiet_until = int(new.step)
         self.healed = {

@@ -102,6 +102,7 @@ class Syncer:
         self.recent: tuple[int, ...] = ()
         self.refused: list[str] = []
         self.unhealed_posts = 0  # messages of an island not healed yet, refused
+        self.rejoining: dict[int, int] = {}  # island -> the step it healed at
         self.mailbox: dict[int, list[tuple[str, str]]] = {}
         self.began = time.monotonic()
         self.start_step: int | None = None
@@ -191,6 +192,8 @@ class Syncer:
         self._check(m, name)
         now = time.monotonic()
         self.seen[m] = now
+        if post and self.rejoining.get(m, -1) < _sent(name):
+            self.rejoining.pop(m, None)  # it posts again: its peer's rounds are read
         if post and m in self.healing:  # a restarted island's fresh weights
             self.unhealed_posts += 1  # never count: it posts only once healed
             post = False
@@ -227,9 +230,17 @@ class Syncer:
         r = self.rounds.get(name)
         if r is not None:
             r.got.add(m)
-            if set(r.members) | self.live() | self.healing <= r.got:
-                r.refs.clear()  # (a healing island reads its peer's rounds)
+            if self._readers(name, r) <= r.got:
+                r.refs.clear()
         self.collect()
+
+    def _readers(self, name: str, r: _Round) -> set[int]:
+        """Who must read round `name` before its references go: its members, every
+        live or healing island, and every island healed at or after the step that
+        sent it (the round is in flight in the state it took)."""
+        sent = _sent(name)
+        rejoining = {m for m, step in self.rejoining.items() if step >= sent}
+        return set(r.members) | self.live() | self.healing | rejoining
 
     def _decide(self, name: str) -> None:
         r = self.rounds.get(name)
@@ -336,8 +347,11 @@ class Syncer:
         """A peer's state for the heal `nonce`, put by the peer (it owns it)."""
         self.offers[nonce] = refs
 
-    def healed(self, m: int, nonce: str) -> None:
-        """Island m read its heal: it is waited for from the next round."""
+    def healed(self, m: int, nonce: str, step: int = 0) -> None:
+        """Island m read its heal, a state at `step`: it is waited for from the
+        next round, and reads the rounds in flight in that state."""
+        self.seen[m] = time.monotonic()
+        self.rejoining[m] = step
         self.offers.pop(nonce, None)
         self.healing.discard(m)
         self.behind.discard(m)
@@ -406,3 +420,9 @@ class Syncer:
         import os
 
         return os.getpid()
+
+
+def _sent(name: str) -> int:
+    """The step that sent round `name` (`<sent>-<fragment>`; 0 if it is not)."""
+    head = name.split("-", 1)[0]
+    return int(head) if head.isdigit() else 0
