@@ -3,7 +3,7 @@
 One replica (M = 1: what one worker holds) of a deep MLP, `--layers` blocks of
 `--width`² float32 weights, one fragment per block (P = `--layers`), Streaming DiLoCo
 with overlapped FP4 (H = 2P, τ = 1): each step sends or receives a fragment. For the
-plain step and for `streaming_diloco(..., offload=True)`, it prints, in units of N
+plain step and for `sdiloco.offload(streaming_diloco(...))`, it prints, in units of N
 (the parameter bytes), XLA's memory analysis of the compiled, state-donating step
 (arguments and temporaries on the device; arguments in host memory), the device bytes
 in use after a few steps where the backend reports them, the step time, and whether the
@@ -57,9 +57,8 @@ def problem(layers: int, width: int, offload: bool):
         fragments=fragments,
         overlap=1,
         compressor="e3m0",
-        offload=offload,
     )
-    return alg, params
+    return (sdiloco.offload(alg) if offload else alg), params
 
 
 def batches(width: int, steps: int):

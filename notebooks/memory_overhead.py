@@ -297,7 +297,7 @@ plt.show()
 # %% [markdown]
 # ## With host offload
 #
-# `streaming_diloco(..., offload=True)` keeps θ_g and the outer optimizer state in host
+# `sdiloco.offload(streaming_diloco(...))` keeps θ_g and the outer optimizer state in host
 # memory (JAX's `pinned_host` memory kind) and moves only the pieces of the fragment
 # being synchronised to the device, for its Δ, its outer step and its merge. Below: the
 # same tiny-model states built with and without it, each field's bytes per replica

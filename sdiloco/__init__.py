@@ -76,6 +76,7 @@ from .streaming import (
     StreamingSpec as StreamingSpec,
     StreamingState as StreamingState,
     diloco as diloco,
+    offload as offload,
     streaming_diloco as streaming_diloco,
 )
 

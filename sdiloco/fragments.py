@@ -46,12 +46,16 @@ class Fragments:
         num_fragments: P; every label is in `[0, P)` and every fragment is non-empty.
         names: optional display names of the fragments (e.g. "1_2" when one compiled
             branch serves fragments 1 and 2), used in the exchange's name scopes.
+        first_send: the step each fragment is first sent, f_p >= 1 (the stagger of
+            the schedule); None: `schedule.default_first_send`, `H + round(p·H/P)`.
+            Set it with `dataclasses.replace(fragments, first_send=(...))`.
     """
 
     labels: tuple[np.ndarray, ...]
     shapes: tuple[tuple[int, ...], ...]
     num_fragments: int
     names: tuple[str, ...] | None = None
+    first_send: tuple[int, ...] | None = None
 
     def mask(self, selected: Bool[Array, "*batch P"]) -> list[Bool[Array, "..."]]:
         """Boolean masks of the selected fragments, one per leaf, broadcastable to it.

@@ -31,7 +31,7 @@ from .inflight import Visit
 class GlobalMemory:
     """Where θ_g and the outer optimizer state live.
 
-    On the device (the default), or offloaded to host memory (`offload=True`, the
+    On the device (the default), or offloaded to host memory (`sdiloco.offload(alg)`, the
     `pinned_host` memory kind): then a sync moves only the fragment's pieces to the
     device (`fetch`) and its results back (`store`).
     """

@@ -173,13 +173,11 @@ def streaming_diloco(
     fragments: Fragments | None = None,
     overlap: int | Sequence[int] = 1,
     alpha: float | None = None,
-    first_send: Sequence[int] | None = None,
     compressor: Compressor | str | None = None,
     plugins: Plugin | Sequence[Plugin] = (),
     aggregator: Callable[..., list[Array]] = plain_mean(),
     nonfinite: str = "skip",
     exchange: Exchange | PostedExchange = communication.simulated_exchange,
-    offload: bool = False,
 ) -> Algorithm[StreamingSpec]:
     """Streaming DiLoCo (Alg. 2) with overlapped, compressed fragment syncs.
 
@@ -195,14 +193,14 @@ def streaming_diloco(
             the tree (`clip_by_global_norm`) sees one fragment at a time.
         num_replicas: M >= 1.
         sync_every: H >= 1, inner steps between two sends of one fragment.
-        fragments: the partition (see `fragments.py`); None syncs the whole model as
-            one fragment.
+        fragments: the partition (see `fragments.py`), with the step each fragment
+            is first sent (`Fragments.first_send`; default `H + round(p·H/P)`);
+            None syncs the whole model as one fragment, first sent at H.
         overlap: τ, one int or one per replica, 0 <= τ < H: a fragment sent at t is
             merged by replica m at t + τ_m.
         alpha: the mixing factor α in [0, 1] of the paper's merge: short for the
             plug-in `merging.alpha_merge(alpha)`; None is α = 0.5 unless `plugins`
             holds another merge (giving both is an error).
-        first_send: f_p >= 1 per fragment; default `H + round(p·H/P)`.
         compressor: applied to each replica's Δ before the exchange (a `quantizer`,
             `dare`, `top_k`, `fed_dropout`, or stages composed with
             `compression.chain`); None sends float32. A spec string such as "e3m0"
@@ -226,14 +224,11 @@ def streaming_diloco(
             `PostedExchange` (`distributed.posted_exchange`) encodes there and
             decodes at the outer update, moved in between by a `distributed.Courier`
             (docs/implementation.md).
-        offload: keep θ_g and the outer state in host memory (`pinned_host`) and
-            move only the fragment being synchronised to the device (the paper's
-            offloading, docs/paper.md §1.10), bitwise the same numbers; needs a
-            backend with host memory kinds (GPU, TPU).
 
     Returns:
         The `Algorithm`; its `step(state, batch, participation=None)` takes who
-        takes part (`sdiloco.participation`).
+        takes part (`sdiloco.participation`). `offload(alg)` keeps θ_g and the
+        outer state in host memory.
 
     Raises:
         ValueError: on a bad configuration (docs/contract.md §5), naming the field, the
@@ -243,7 +238,7 @@ def streaming_diloco(
     compressor, plugin = _check_options(
         alpha, nonfinite, compressor, plugins, aggregator, fragments
     )
-    schedule = _schedule(sync_every, fragments, num_replicas, overlap, first_send)
+    schedule = _schedule(sync_every, fragments, num_replicas, overlap)
     _check_outer(outer, fragments)
     spec = StreamingSpec(
         loss_fn=loss_fn,
@@ -256,8 +251,23 @@ def streaming_diloco(
         aggregator=aggregator,
         nonfinite=nonfinite,
         exchange=exchange,
-        memory=GlobalMemory(offload),
     )
+    return _algorithm(spec)
+
+
+def offload(alg: Algorithm[StreamingSpec]) -> Algorithm[StreamingSpec]:
+    """`alg` with θ_g and the outer optimizer state kept in host memory
+    (`pinned_host`): a sync moves only its fragment's pieces to the device, for its
+    Δ, outer step and merge (the paper's offloading, docs/paper.md §1.10). The
+    numbers are bitwise those without offload; the device then holds the replicas,
+    their inner state, the in-flight slots and one fragment at a time. Works on a
+    mesh too. Needs a backend with host memory kinds (GPU, TPU; on CPU host and
+    device memory are the same RAM)."""
+    return _algorithm(alg.spec._replace(memory=GlobalMemory(True)))
+
+
+def _algorithm(spec: StreamingSpec) -> Algorithm[StreamingSpec]:
+    """The `Algorithm` of a validated spec."""
 
     def init(params: Params, key: PRNGKeyArray | None = None) -> StreamingState:
         return streaming_init(spec, params, key)
@@ -272,7 +282,7 @@ def streaming_diloco(
     init.__doc__ = streaming_init.__doc__
     step.__doc__ = streaming_step.__doc__
     bits = ft.partial(_bits_per_fragment, spec)
-    return Algorithm(init, step, bits, num_replicas, spec)
+    return Algorithm(init, step, bits, spec.num_replicas, spec)
 
 
 def diloco(
@@ -285,13 +295,12 @@ def diloco(
     aggregator: Callable[..., list[Array]] = plain_mean(),
     nonfinite: str = "skip",
     exchange: Exchange | PostedExchange = communication.simulated_exchange,
-    offload: bool = False,
 ) -> Algorithm[StreamingSpec]:
     """Vanilla DiLoCo (Douillard et al., 2023; Alg. 1): P = 1, τ = 0, α = 0, fp32.
 
     The same code path as `streaming_diloco`, with the whole model one fragment first
-    sent at step H (`aggregator` and `offload` as there: with one fragment, the
-    whole of θ_g and the outer state visit the device at each sync).
+    sent at step H (`aggregator` as there; `offload(diloco(...))` moves the whole of
+    θ_g and the outer state to the device at each sync).
     """
     return streaming_diloco(
         loss_fn,
@@ -305,7 +314,6 @@ def diloco(
         aggregator=aggregator,
         nonfinite=nonfinite,
         exchange=exchange,
-        offload=offload,
     )
 
 
@@ -792,10 +800,13 @@ def _check_options(alpha, nonfinite, compressor, plugins, aggregator, fragments)
     return compressor, plugin
 
 
-def _schedule(sync_every, fragments, num_replicas, overlap, first_send) -> Schedule:
+def _schedule(sync_every, fragments, num_replicas, overlap) -> Schedule:
     """The sync schedule of `streaming_diloco`'s arguments (validated)."""
-    num_fragments = 1 if fragments is None else fragments.num_fragments
-    return make_schedule(sync_every, num_fragments, num_replicas, overlap, first_send)
+    if fragments is None:
+        return make_schedule(sync_every, 1, num_replicas, overlap)
+    return make_schedule(
+        sync_every, fragments.num_fragments, num_replicas, overlap, fragments.first_send
+    )
 
 
 def _bits_per_fragment(spec: StreamingSpec, params: Params) -> np.ndarray:

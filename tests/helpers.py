@@ -144,9 +144,12 @@ def session_folder(tmp_path_factory) -> pathlib.Path:
     return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
 
-def toy_streaming(params, *, num_replicas, layers_per_fragment=1, **kwargs):
+def toy_streaming(
+    params, *, num_replicas, layers_per_fragment=1, offload=False, **kwargs
+):
     """Streaming DiLoCo on the toy model: AdamW(0.05) inner, strided fragments of
-    `layers_per_fragment` blocks, H = 3, τ = 1, α = 0.5 unless `kwargs` say otherwise."""
+    `layers_per_fragment` blocks, H = 3, τ = 1, α = 0.5 unless `kwargs` say otherwise
+    (`offload`: `sdiloco.offload` of it)."""
     frags = sdiloco.fragments_by_layer(
         params, blocks=lambda p: p["blocks"], layers_per_fragment=layers_per_fragment
     )
@@ -158,7 +161,8 @@ def toy_streaming(params, *, num_replicas, layers_per_fragment=1, **kwargs):
         overlap=1,
         alpha=0.5,
     )
-    return sdiloco.streaming_diloco(toy_loss, **{**options, **kwargs})
+    alg = sdiloco.streaming_diloco(toy_loss, **{**options, **kwargs})
+    return sdiloco.offload(alg) if offload else alg
 
 
 def plugin_state(alg, state, kind):

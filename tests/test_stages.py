@@ -5,6 +5,8 @@ message, error feedback's identity, NumPy references for the new stages, the spe
 grammar and its errors, and independent randomness per replica and fragment.
 """
 
+import dataclasses
+
 import equinox as eqx
 import hypothesis.extra.numpy as hnp
 import hypothesis.strategies as st
@@ -272,9 +274,11 @@ def _ef_residuals(compressor, *, first_send=(2, 2)):
         inner=optax.sgd(0.1),
         num_replicas=2,
         sync_every=2,
-        fragments=sdiloco.fragments_from_labels(params, {"a": 0, "b": 1}),
+        fragments=dataclasses.replace(
+            sdiloco.fragments_from_labels(params, {"a": 0, "b": 1}),
+            first_send=first_send,
+        ),
         overlap=1,
-        first_send=first_send,
         compressor=compressor,
     )
     state = alg.init(params, jr.key(0))

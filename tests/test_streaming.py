@@ -1,5 +1,7 @@
 """Streaming DiLoCo: sync/merge properties, equivalences, stability, bad input."""
 
+import dataclasses
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -463,6 +465,15 @@ def test_nonfinite_raise_policy():
 # ----------------------------------------------------------------------- bad input
 
 
+def _frags_first_sent_at(first_send):
+    """The toy model's two-layer fragments, first sent at `first_send`."""
+    params = toy_params(jr.key(0))
+    frags = sdiloco.fragments_by_layer(
+        params, blocks=lambda p: p["blocks"], layers_per_fragment=2
+    )
+    return dataclasses.replace(frags, first_send=first_send)
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
@@ -470,7 +481,7 @@ def test_nonfinite_raise_policy():
         (dict(sync_every=4, overlap=4), "tau"),
         (dict(alpha=1.5), "alpha"),
         (dict(alpha=-0.1), "alpha"),
-        (dict(first_send=(0,)), "first_send"),
+        (dict(fragments=_frags_first_sent_at((0, 5, 6))), r"first_send=\(0, 5, 6\)"),
         (dict(num_replicas=0), "num_replicas"),
         (dict(overlap=(1, 1, 1)), "per replica"),
         (dict(compressor="e3m1"), "format"),
@@ -482,6 +493,7 @@ def test_nonfinite_raise_policy():
     ],
 )
 def test_bad_config(kwargs, match):
+    """Each bad option is one `ValueError` naming it."""
     with pytest.raises(ValueError, match=match):
         sdiloco.streaming_diloco(toy_loss, inner=optax.sgd(0.1), **kwargs)
 

@@ -32,6 +32,7 @@ from ..merging import eager
 from ..plugins import Plugin, error_feedback
 from ..schedule import make_schedule
 from ..streaming import NONFINITE_POLICIES, diloco, streaming_diloco
+from ..streaming import offload as offload_state
 from . import fields, objects
 
 
@@ -393,9 +394,11 @@ class StreamingConfig:
         loss_fn: Callable[..., Any],
         inner: optax.GradientTransformation,
         model: Any,
+        offload: bool = False,
         **kwargs: Any,
     ) -> Algorithm:
-        """The `Algorithm` for `model`, whose `blocks` are stacked.
+        """The `Algorithm` for `model`, whose `blocks` are stacked (`offload`:
+        `sdiloco.offload` of it).
 
         Extra keyword arguments go to `streaming_diloco` (e.g. `exchange`).
         """
@@ -408,7 +411,7 @@ class StreamingConfig:
                 self.overlap,
             )
             inner = freeze_unsynced(inner, fragments, schedule)
-        return streaming_diloco(
+        alg = streaming_diloco(
             loss_fn,
             inner=inner,
             outer=self.outer.build(),
@@ -423,6 +426,7 @@ class StreamingConfig:
             **self._aggregator(),
             **kwargs,
         )
+        return offload_state(alg) if offload else alg
 
 
 MethodConfig = DataParallelConfig | DiLoCoConfig | StreamingConfig
