@@ -101,10 +101,16 @@ notes = (
     "settings (not re-tuned)."
 )
 plotting.save_table(
-    rows, NOTEBOOK, title=title, notes=notes, notebook=NOTEBOOK, config=configs,
+    rows,
+    NOTEBOOK,
+    title=title,
+    notes=notes,
+    notebook=NOTEBOOK,
+    config=configs,
     seeds=SEEDS,
 )
 print(plotting.markdown_table(rows))
+
 
 # %%
 def percent_gap(fault, name):
@@ -128,7 +134,9 @@ ax.set_xlabel("what the bad replica sends")
 ax.set_ylabel("gap to the clean mean (%, clipped at 25)")
 ax.axhline(0.0, color="black", lw=0.8)
 ax.legend()
-ax.set_title(f"One bad replica of {REPLICAS}: mean and 95 % interval over {len(SEEDS)} seeds")
+ax.set_title(
+    f"One bad replica of {REPLICAS}: mean and 95 % interval over {len(SEEDS)} seeds"
+)
 plotting.save_figure(
     fig, NOTEBOOK, notebook=NOTEBOOK, config=configs, seeds=SEEDS, results=stats
 )

@@ -11,6 +11,7 @@ baseline (`data_parallel.py`); who takes part in a step, for elastic training
 (`analysis.py`).
 """
 
+from . import aggregation as aggregation, plugins as plugins
 from .analysis import (
     global_params as global_params,
     outer_gradient_cosine as outer_gradient_cosine,
@@ -52,7 +53,6 @@ from .fragments import (
     single_fragment as single_fragment,
 )
 from .jit import jit_step as jit_step
-from . import aggregation as aggregation, plugins as plugins
 from .merging import (
     AlphaMerge as AlphaMerge,
     Eager as Eager,

@@ -168,8 +168,7 @@ class ClippedMean(Aggregator):
             threshold = jnp.asarray(self.max_norm, norms.dtype)
         scale = jnp.minimum(1.0, threshold / jnp.maximum(norms, 1e-30))
         clipped = [
-            r * scale.astype(r.dtype).reshape((-1,) + (1,) * (r.ndim - 1))
-            for r in safe
+            r * scale.astype(r.dtype).reshape((-1,) + (1,) * (r.ndim - 1)) for r in safe
         ]
         return Mean()(clipped, sent, None)
 

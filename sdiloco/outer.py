@@ -21,7 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from jaxtyping import Array, Bool
+from jaxtyping import Array
 
 from .custom_types import Params
 from .inflight import Visit

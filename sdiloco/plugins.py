@@ -37,7 +37,6 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool
 
@@ -190,9 +189,7 @@ def pieces(send_or_arrival: Send | Arrival, leaves: list[Array]) -> list[Array]:
     return send_or_arrival.visit.gather(leaves, 1)
 
 
-def scatter_senders(
-    send: Send, leaves: list[Array], new: list[Array]
-) -> list[Array]:
+def scatter_senders(send: Send, leaves: list[Array], new: list[Array]) -> list[Array]:
     """`leaves` `[M, ...]` with the fragment's pieces set to `new`, except for a
     replica that did not send, which keeps its own."""
     v = send.visit
@@ -269,4 +266,3 @@ def replicated(params: list[Array], num_replicas: int) -> list[Array]:
 def is_finite(values: list[Array]) -> Array:
     """Whether every value of every array is finite (`[]` bool)."""
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(v)) for v in values]))
-

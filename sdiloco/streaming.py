@@ -52,8 +52,8 @@ from jaxtyping import Array, Bool, Int, PRNGKeyArray
 
 from . import communication, participation as participation_lib
 from ._xla import run_if
-from .base import Algorithm, Exchange, PostedExchange
 from .aggregation import check_aggregator, mean as plain_mean
+from .base import Algorithm, Exchange, PostedExchange
 from .compression import Compressor
 from .compression.spec import parse_with_feedback
 from .custom_types import Batch, Metrics, Params, Replicated

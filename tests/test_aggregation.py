@@ -50,11 +50,18 @@ def _trimmed_ref(rows, sent, trim):
 
 
 def _clipped_ref(rows, sent, max_norm, factor):
-    norms = np.sqrt(sum((r[sent].astype(np.float64) ** 2).reshape(int(sent.sum()), -1).sum(1) for r in rows))
+    norms = np.sqrt(
+        sum(
+            (r[sent].astype(np.float64) ** 2).reshape(int(sent.sum()), -1).sum(1)
+            for r in rows
+        )
+    )
     threshold = factor * np.median(norms) if max_norm is None else max_norm
     scale = np.minimum(1.0, threshold / np.maximum(norms, 1e-30))
     return [
-        (r[sent].astype(np.float64) * scale.reshape((-1,) + (1,) * (r.ndim - 1))).mean(0)
+        (r[sent].astype(np.float64) * scale.reshape((-1,) + (1,) * (r.ndim - 1))).mean(
+            0
+        )
         for r in rows
     ]
 
@@ -72,10 +79,22 @@ def _weighted_ref(rows, sent, steps):
 CASES = {
     "mean": (aggregation.mean(), lambda r, s, w: _mean_ref(r, s)),
     "token_weighted_mean": (aggregation.token_weighted_mean(), _weighted_ref),
-    "trimmed_mean": (aggregation.trimmed_mean(0.25), lambda r, s, w: _trimmed_ref(r, s, 0.25)),
-    "median": (aggregation.median(), lambda r, s, w: [np.median(x[s].astype(np.float64), 0) for x in r]),
-    "clipped_mean": (aggregation.clipped_mean(), lambda r, s, w: _clipped_ref(r, s, None, 2.0)),
-    "clipped_mean_fixed": (aggregation.clipped_mean(0.5), lambda r, s, w: _clipped_ref(r, s, 0.5, 2.0)),
+    "trimmed_mean": (
+        aggregation.trimmed_mean(0.25),
+        lambda r, s, w: _trimmed_ref(r, s, 0.25),
+    ),
+    "median": (
+        aggregation.median(),
+        lambda r, s, w: [np.median(x[s].astype(np.float64), 0) for x in r],
+    ),
+    "clipped_mean": (
+        aggregation.clipped_mean(),
+        lambda r, s, w: _clipped_ref(r, s, None, 2.0),
+    ),
+    "clipped_mean_fixed": (
+        aggregation.clipped_mean(0.5),
+        lambda r, s, w: _clipped_ref(r, s, 0.5, 2.0),
+    ),
 }
 
 
@@ -89,7 +108,9 @@ def test_each_aggregator_matches_its_float64_reference_under_partial_participati
     rows, sent, steps = _rows(data, m, [(3,), (2, 5)])
     # a replica that does not send has a row of zeros, as every exchange gives it
     rows = [np.where(sent.reshape((-1,) + (1,) * (r.ndim - 1)), r, 0) for r in rows]
-    got = aggregate([jnp.asarray(r) for r in rows], jnp.asarray(sent), jnp.asarray(steps, jnp.int32))
+    got = aggregate(
+        [jnp.asarray(r) for r in rows], jnp.asarray(sent), jnp.asarray(steps, jnp.int32)
+    )
     for g, ref, r in zip(got, reference(rows, sent, steps), rows):
         assert g.shape == ref.shape and g.dtype == jnp.float32
         tol = 1e-5 * (np.abs(r).max() + 1e-30)
@@ -108,7 +129,9 @@ def test_a_robust_aggregator_leaves_out_a_non_finite_sender(name):
     got = aggregate([jnp.asarray(poisoned[0])], jnp.asarray(sent), None)[0]
     without = sent.copy()
     without[1] = False
-    np.testing.assert_allclose(np.asarray(got), reference(rows, without, None)[0], rtol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(got), reference(rows, without, None)[0], rtol=1e-6
+    )
     assert np.all(np.isfinite(np.asarray(got)))
 
 
@@ -131,7 +154,9 @@ def test_the_token_weighted_mean_without_steps_is_the_plain_mean():
     rows = [jnp.arange(6.0).reshape(3, 2)]
     sent = jnp.asarray([True, False, True])
     got = aggregation.token_weighted_mean()(rows, sent, None)
-    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(aggregation.mean()(rows, sent, None)[0]))
+    np.testing.assert_array_equal(
+        np.asarray(got[0]), np.asarray(aggregation.mean()(rows, sent, None)[0])
+    )
 
 
 def test_bad_aggregator_configs_are_refused_naming_the_field():
@@ -198,7 +223,9 @@ def test_an_aggregator_gives_the_same_step_on_the_mesh(name):
     _, sharded, _, _, _ = _one_round(
         aggregate, sends, exchange=distributed.sharded_exchange(mesh)
     )
-    for a, b in zip(jax.tree.leaves(sim.global_params), jax.tree.leaves(sharded.global_params)):
+    for a, b in zip(
+        jax.tree.leaves(sim.global_params), jax.tree.leaves(sharded.global_params)
+    ):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
     if name == "median":  # and it is the median that ran there, not the mean
         mean = _one_round(aggregation.mean(), sends)[1].global_params["v"]

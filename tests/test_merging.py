@@ -120,7 +120,9 @@ def test_a_users_policy_is_the_alpha_merge_it_restates():
     _, alpha = _alg(merge="alpha", alpha=0.5)
     a, b = _run(mine, params, 14, 2), _run(alpha, params, 14, 2)
     assert tree_difference(a.replica_params, b.replica_params) is None
-    counts = np.asarray(_merge_state(mine, a, params)["v"])  # fragment 0 merged at steps 5, 9, 13
+    counts = np.asarray(
+        _merge_state(mine, a, params)["v"]
+    )  # fragment 0 merged at steps 5, 9, 13
     np.testing.assert_array_equal(counts, np.full_like(counts, 3.0))
 
 
@@ -149,7 +151,9 @@ def test_a_replica_that_comes_back_starts_its_policy_state_from_theta_g():
     back = sdiloco.everyone(2)
     state, _ = step(state, batch, back)
     g = np.asarray(state.global_params["v"])
-    np.testing.assert_array_equal(np.asarray(_merge_state(alg, state, params)["v"])[1], g)
+    np.testing.assert_array_equal(
+        np.asarray(_merge_state(alg, state, params)["v"])[1], g
+    )
 
 
 def test_bad_merge_is_refused_before_any_compute():

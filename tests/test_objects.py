@@ -90,7 +90,9 @@ def test_a_users_object_is_recorded_by_name_and_never_re_created(monkeypatch):
     assert data["method"]["aggregator"]["object"].endswith("Halve")
     assert data["method"]["aggregator"]["recreatable"] is False
     assert not objects.recreatable(data)
-    with pytest.raises(ValueError, match=r"StreamingConfig.aggregator: .*Halve cannot be re-created"):
+    with pytest.raises(
+        ValueError, match=r"StreamingConfig.aggregator: .*Halve cannot be re-created"
+    ):
         RunConfig.from_json(config.to_json())
     monkeypatch.setattr(provenance, "fingerprint", lambda: "f")
     monkeypatch.setattr(provenance, "probes", lambda: {})
@@ -100,9 +102,13 @@ def test_a_users_object_is_recorded_by_name_and_never_re_created(monkeypatch):
 
 
 def test_verify_skips_a_record_it_cannot_re_create(tmp_path):
-    (tmp_path / "k.json").write_text(json.dumps({"config": json.loads(_config(aggregator=Halve()).to_json())}))
+    (tmp_path / "k.json").write_text(
+        json.dumps({"config": json.loads(_config(aggregator=Halve()).to_json())})
+    )
     assert verify._load(tmp_path, "k") is None
-    (tmp_path / "j.json").write_text(json.dumps({"config": json.loads(_config().to_json())}))
+    (tmp_path / "j.json").write_text(
+        json.dumps({"config": json.loads(_config().to_json())})
+    )
     assert verify._load(tmp_path, "j") is not None
 
 
@@ -111,7 +117,11 @@ def test_a_merging_plugin_in_the_lab_replaces_merge_and_alpha():
     assert config.method._alpha() is None
     with pytest.raises(ValueError, match="hold a merge, with merge='alpha', alpha=0.3"):
         _config(plugins=(sdiloco.eager(),), alpha=0.3)
-    with pytest.raises(ValueError, match="alpha=0.3 with merge='eager', which does not mix"):
+    with pytest.raises(
+        ValueError, match="alpha=0.3 with merge='eager', which does not mix"
+    ):
         _config(merge="eager", alpha=0.3)
-    with pytest.raises(ValueError, match="error_feedback=True with compressor='int2,ef'"):
+    with pytest.raises(
+        ValueError, match="error_feedback=True with compressor='int2,ef'"
+    ):
         _config(quantizer=None, compressor="int2,ef", error_feedback=True)

@@ -91,7 +91,9 @@ def test_a_failed_round_restores_theta_g_on_every_replica_that_merges(merge):
     state, metrics = _run(alg, params, 9)
     assert bool(np.asarray(metrics["sync/nonfinite"])[0])
     g = np.asarray(state.global_params["v"])
-    np.testing.assert_array_equal(np.asarray(state.replica_params["v"]), np.stack([g] * M))
+    np.testing.assert_array_equal(
+        np.asarray(state.replica_params["v"]), np.stack([g] * M)
+    )
     np.testing.assert_array_equal(g, np.asarray(params["v"]))  # no outer step taken
 
 
@@ -121,7 +123,9 @@ def test_a_plugin_state_is_fresh_for_a_replica_that_comes_back():
     params, alg = _alg((sdiloco.error_feedback(1.0),), compressor="int2")
     gone = sdiloco.Participation.of([True, True, False])
     back = sdiloco.everyone(M)
-    state, _ = _run(alg, params, 10, lambda t: gone if t == 9 else (back if t == 10 else None))
+    state, _ = _run(
+        alg, params, 10, lambda t: gone if t == 9 else (back if t == 10 else None)
+    )
     residual = _tree(params, state.plugin_state[0])
     assert all(np.all(np.asarray(e)[2] == 0) for e in jax.tree.leaves(residual))
     assert any(np.any(np.asarray(e)[0] != 0) for e in jax.tree.leaves(residual))
@@ -135,7 +139,10 @@ def test_a_bad_replica_changes_only_its_own_message(kind):
 
     layout = make_layout(frags, sdiloco.make_schedule(4, 1, M))
     send = plugins.Send(Visit.of(layout.groups[0], 0), None, [], lambda g: g)
-    deltas = [jr.normal(jr.key(i), (M,) + x.shape) for i, x in enumerate(jax.tree.leaves(params))]
+    deltas = [
+        jr.normal(jr.key(i), (M,) + x.shape)
+        for i, x in enumerate(jax.tree.leaves(params))
+    ]
     plugin = bad_replica(kind, replica=1)
     state = plugin.init(jax.tree.leaves(params), M, 1)
     out, state = plugin.before_send(send, deltas, state)
@@ -161,7 +168,9 @@ def test_plugins_compose_in_order_and_bad_input_is_one_line():
     assert alg.spec.plugin.plugins[1].alpha == 0.3
     with pytest.raises(ValueError, match="alpha=0.3 with plugins that merge"):
         _alg(sdiloco.eager(), alpha=0.3)
-    with pytest.raises(ValueError, match="each merge the outer step; allowed: one merge"):
+    with pytest.raises(
+        ValueError, match="each merge the outer step; allowed: one merge"
+    ):
         plugins.chain(sdiloco.eager(), sdiloco.alpha_merge(0.5))
     with pytest.raises(ValueError, match="beta=1.5 is not allowed"):
         sdiloco.error_feedback(1.5)

@@ -85,7 +85,9 @@ def to_dict(config: Any) -> Any:
             value = getattr(config, f.name)
             if f.metadata.get(_NEW) and _same(value, f.default):
                 continue
-            out[f.name] = objects.encode(value) if f.metadata.get(_OBJECT) else to_dict(value)
+            out[f.name] = (
+                objects.encode(value) if f.metadata.get(_OBJECT) else to_dict(value)
+            )
         return out
     if isinstance(config, tuple | list):
         return type(config)(to_dict(v) for v in config)

@@ -31,8 +31,12 @@ from ..fragments import Fragments, fragments_by_layer
 from ..merging import eager
 from ..plugins import Plugin, error_feedback
 from ..schedule import make_schedule
-from ..streaming import NONFINITE_POLICIES, diloco, streaming_diloco
-from ..streaming import offload as offload_state
+from ..streaming import (
+    NONFINITE_POLICIES,
+    diloco,
+    offload as offload_state,
+    streaming_diloco,
+)
 from . import fields, objects
 
 
@@ -134,9 +138,7 @@ class DataParallelConfig:
     ) -> Algorithm:
         """The `Algorithm` (`model` is unused: Data-Parallel has no fragments)."""
         del model
-        return data_parallel(
-            loss_fn, inner=inner, num_replicas=self.num_replicas
-        )
+        return data_parallel(loss_fn, inner=inner, num_replicas=self.num_replicas)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -72,11 +72,17 @@ def encode(value: Any) -> Any:
         name = _name(value.fn)
         if _importable(name) is value.fn and _plain(value.kwargs):
             return {"object": name, "call": True, "args": dict(value.kwargs)}
-        return {"object": name, "call": True, "recreatable": False,
-                "note": NOT_RECREATABLE}
+        return {
+            "object": name,
+            "call": True,
+            "recreatable": False,
+            "note": NOT_RECREATABLE,
+        }
     name = _name(type(value))
     if name.startswith("sdiloco.") and isinstance(value, eqx.Module):
-        args = {f.name: encode(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        args = {
+            f.name: encode(getattr(value, f.name)) for f in dataclasses.fields(value)
+        }
         if _plain(args) and _importable(name) is type(value):
             return {"object": name, "args": args}
     return {"object": name, "recreatable": False, "note": NOT_RECREATABLE}
@@ -101,7 +107,9 @@ def decode(data: Any, field: str) -> Any:
         )
     target = _importable(name)
     if target is None:
-        raise ValueError(f"{field}: {name!r} is not importable; allowed: a qualified name.")
+        raise ValueError(
+            f"{field}: {name!r} is not importable; allowed: a qualified name."
+        )
     args = {k: decode(v, field) for k, v in data.get("args", {}).items()}
     if data.get("call"):
         return Call(target, args)

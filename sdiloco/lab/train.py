@@ -209,9 +209,7 @@ def build(
         extra = placement.exchange(getattr(config.method, "overlap", 0))
     if exchange is not None:
         extra = {"exchange": exchange}
-    alg = config.method.build(
-        model_lib.loss_with_aux, inner, model, **extra
-    )
+    alg = config.method.build(model_lib.loss_with_aux, inner, model, **extra)
     return Run(config, mc, alg, model, train, heldout, island)
 
 
