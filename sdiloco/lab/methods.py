@@ -396,6 +396,7 @@ class StreamingConfig:
         loss_fn: Callable[..., Any],
         inner: optax.GradientTransformation,
         model: Any,
+        *,
         offload: bool = False,
         **kwargs: Any,
     ) -> Algorithm:
