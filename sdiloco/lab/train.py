@@ -204,7 +204,7 @@ def build(
             "or None for all)."
         )
     inner = config.inner.build(config.steps)
-    extra = {}
+    extra: dict[str, Any] = {}
     if placement is not None and config.method.kind != "data_parallel":
         extra = placement.exchange(getattr(config.method, "overlap", 0))
     if exchange is not None:
