@@ -272,6 +272,7 @@ def bench_kill(workdir: pathlib.Path) -> dict:
     back = next(d for d in decisions if d["at"] > killed_at and 1 in d["members"])
     healed = json.loads((out / "island-1.json").read_text())
     alone = _standalone_rss()
+    worker = _worker_overhead()
     return {
         "stall_s": first_without["waited_s"],
         "heal_s": healed["healed"]["seconds"],
@@ -282,24 +283,83 @@ def bench_kill(workdir: pathlib.Path) -> dict:
         "ray_per_job_mb": sum(ray_mb.values()),
         "island_rss_mb": island_mb,
         "same_program_without_ray_mb": alone,
-        "ray_per_island_mb": island_mb - alone,
+        "island_minus_standalone_mb": island_mb - alone,
+        **worker,
     }
 
 
+def _worker_overhead() -> dict:
+    """RSS (MB) of a Ray actor's process that imported numpy only, and of a plain
+    Python process that did the same: the difference is what Ray's worker (its
+    core worker, gRPC threads, the `ray` module) adds to every island."""
+    import ray
+
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        object_store_memory=128 << 20,
+        configure_logging=False,
+    )
+    actor = ray.remote(_Bare).options(num_cpus=0).remote()
+    pid = int(ray.get(actor.pid.remote()))
+    time.sleep(1.0)
+    with_ray = _rss_mb(pid)
+    ray.shutdown()
+    plain = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import numpy, os; print(open(f'/proc/{os.getpid()}"
+            "/status').read().split('VmRSS:')[1].split()[0])",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    without = int(plain.stdout.strip()) / 1024
+    return {
+        "ray_worker_mb": with_ray,
+        "python_numpy_mb": without,
+        "ray_per_island_mb": with_ray - without,
+    }
+
+
+class _Bare:
+    def pid(self) -> int:
+        import numpy  # noqa: F401
+
+        return os.getpid()
+
+
 STANDALONE = """
-import time, sys
+import os
+import numpy as np
+from sdiloco.distributed import Transport
 from sdiloco.lab import config as c, train
-cfg = c.preset("streaming_overlap_fp4", model="tiny-xxs", steps=20, eval_windows=16,
+
+class Alone(Transport):  # island 0 of 3, its peers absent
+    island = (0, 3)
+    def move(self, messages, fragment, sent):
+        m = np.asarray(messages)
+        return np.concatenate([m, np.zeros((2,) + m.shape[1:], m.dtype)])
+
+cfg = c.preset("streaming_overlap_fp4", model="tiny-xxs", steps=80, eval_windows=256,
     sync_every=6, method={"num_replicas": 3}, data={"global_batch_size": 6})
-train.run(cfg, transport=lambda m, f, s: __import__("numpy").repeat(m, 3, 0),
-    progress=False)
-import os; print(open(f"/proc/{os.getpid()}/status").read().split("VmRSS:")[1].split()[0])
+rss = []
+
+def at_60(step, state, metrics):  # where the job's island is measured
+    if step == 60:
+        rss.append(open(f"/proc/{os.getpid()}/status").read().split("VmRSS:")[1].split()[0])
+
+train.run(cfg.replace(eval_every=80), transport=Alone(), progress=False, callback=at_60)
+print(rss[0])
 """
 
 
 def _standalone_rss() -> float:
-    """RSS (MB) of one island's program without Ray: `train.run` of the same
-    config as island 0 with a transport that copies its message (no peers)."""
+    """RSS (MB) at step 60 of one island's program without Ray: `train.run` of
+    the same config as island 0, its peers' rows zeros (`Alone`)."""
     done = subprocess.run(
         [sys.executable, "-c", STANDALONE],
         cwd=ROOT,
@@ -474,11 +534,42 @@ def tables() -> str:
             "| memory (RSS) | MB |",
             "|---|---|",
             f"| Ray per job (gcs_server, raylet, agents, idle workers) | {kill['ray_per_job_mb']:.0f} |",
-            f"| an island's process | {kill['island_rss_mb']:.0f} |",
-            f"| the same program without Ray | {kill['same_program_without_ray_mb']:.0f} |",
-            f"| Ray per island | {kill['ray_per_island_mb']:.0f} |",
+            f"| an island's process at step 60 | {kill['island_rss_mb']:.0f} |",
+            f"| the same program without Ray, at step 60 | {kill['same_program_without_ray_mb']:.0f} |",
+            f"| a Ray actor's process (numpy imported) | {kill['ray_worker_mb']:.0f} |",
+            f"| a plain Python process (numpy imported) | {kill['python_numpy_mb']:.0f} |",
+            f"| Ray per island (the difference) | {kill['ray_per_island_mb']:.0f} |",
+        ]
+    chaos = _load("elastic_chaos.json").get("chaos", {})
+    if chaos:
+        runs = chaos["runs"]
+        lines += [
+            "",
+            "| chaos soak (6 islands of tiny-xxxs) | with faults | fault-free |",
+            "|---|---|---|",
+            f"| steps | {chaos['steps']:,} | {chaos['steps']:,} |",
+            f"| wall time from step 10 to the end | {chaos['chaos_s']:.0f} s | {chaos['free_s']:.0f} s |",
+            f"| faults (a fault every 20-30 s) | {chaos['faults']}: {_kinds(chaos)} | 0 |",
+            f"| throughput retained | {chaos['throughput_retained']:.1%} | 100 % |",
+            f"| rounds with all 6 islands | {_frac(runs['chaos'])} | {_frac(runs['free'])} |",
+            f"| rounds decided at the grace deadline | {runs['chaos']['timed_out']} | {runs['free']['timed_out']} |",
+            f"| final held-out loss of θ_g | {runs['chaos']['eval']:.4f} | {runs['free']['eval']:.4f} |",
+            f"| θ_g byte-identical on every island | {_yes(len(runs['chaos']['digests']) == 1)} | {_yes(len(runs['free']['digests']) == 1)} |",
+            f"| messages of islands not healed yet, refused | {runs['chaos']['unhealed_posts']} | {runs['free']['unhealed_posts']} |",
         ]
     return "\n".join(lines)
+
+
+def _kinds(chaos: dict) -> str:
+    return ", ".join(f"{n} {k}" for k, n in sorted(chaos["fault_kinds"].items()))
+
+
+def _frac(run: dict) -> str:
+    return f"{run['full_rounds']:,} of {run['rounds']:,} ({run['full_rounds'] / max(1, run['rounds']):.0%})"
+
+
+def _yes(x: bool) -> str:
+    return "yes" if x else "**no**"
 
 
 def _s(x: float | None) -> str:

@@ -1,7 +1,8 @@
 """Ray scenarios of the elastic job without training, run by `tests/test_elastic.py`
-as `python tests/elastic_scenarios.py NAME` inside a network namespace of its own
-(only `lo`): a local Ray instance, the job's syncer, and light island actors that
-hold a `RayTransport` and a message each. Prints one JSON line with what it saw.
+as `python tests/elastic_scenarios.py` inside a network namespace of its own (only
+`lo`): one local Ray instance, and for each scenario a syncer and light island
+actors that hold a `RayTransport` and a message each. Prints one JSON line: what
+each scenario saw.
 
 - `kill_healer`: island 1 asks for a heal; the peer it is routed to is SIGKILLed
   before it serves (the driver tells the syncer, as the job's does); the request is
@@ -17,7 +18,6 @@ import io
 import json
 import os
 import signal
-import sys
 import time
 from typing import Any, NamedTuple
 
@@ -141,12 +141,18 @@ def kill_after_decision(variant: str) -> dict:
     return {"members": [list(x) for x in members], **read}
 
 
+SCENARIOS = {
+    "kill_healer": lambda: kill_healer("-"),
+    "owned": lambda: kill_after_decision("owned"),
+    "sender": lambda: kill_after_decision("sender"),
+}
+
+
 if __name__ == "__main__":
-    name, variant = sys.argv[1], sys.argv[2]
     ray.init(
         address="local",
         num_cpus=2,
         object_store_memory=128 << 20,
         include_dashboard=False,
     )
-    print(json.dumps(globals()[name](variant)), flush=True)
+    print(json.dumps({name: run() for name, run in SCENARIOS.items()}), flush=True)

@@ -7,16 +7,18 @@ inside a network namespace of its own whose only interface is `lo` (`unshare
   job joins a Ray cluster started beforehand (`--address`), and while it runs, an
   island with another seed and a second process claiming island 1 are refused,
   each with one line, and the job goes on;
-- island 1 SIGKILLed: the others go on after one grace window, Ray restarts it, it
-  heals from a live peer, and the peer that serves it is SIGKILLed in turn (kill
-  the healer): both come back, and every island ends with the same θ_g;
+- island 1 SIGKILLed: the others go on without it once Ray reports the death (at
+  most one grace window), Ray restarts it, it heals from a live peer, and the peer
+  that served it is SIGKILLed in turn (kill the healer): both come back, and every
+  island ends with the same θ_g;
 - island 1 stopped (SIGSTOP) for less than the grace window after which it would
   be told it is behind: left out once, then it takes part again, no heal;
 - the syncer SIGKILLed: every island ends with one line, their checkpoints stay,
   and the same command resumes the job to the end with equal θ_g;
-- a sender SIGKILLed right after a round's decision: its message is still read
-  (the syncer owns every message); with the sender owning it, it is lost
-  (`tests/elastic_scenarios.py`).
+- light scenarios in one Ray instance (`tests/elastic_scenarios.py`): a sender
+  SIGKILLed right after a round's decision, whose message is still read (the
+  syncer owns every message; with the sender owning it, it is lost); and a heal
+  whose peer is SIGKILLed before it serves, routed to another peer.
 """
 
 import contextlib
@@ -367,14 +369,25 @@ def test_a_lost_syncer_ends_each_island_in_one_line_and_the_job_resumes(
     _assert_equal_thetas(tmp_path, train.build(_config()).model)
 
 
+@pytest.fixture(scope="module")
+def scenarios():
+    """What `tests/elastic_scenarios.py` saw: one Ray instance for all of them."""
+    ns = _Namespace()
+    try:
+        p = ns.start(
+            [sys.executable, os.path.join(ROOT, "tests", "elastic_scenarios.py")]
+        )
+        ((out, _),) = communicate_all([p], 180)
+    finally:
+        ns.close()
+    assert p.returncode == 0, out[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
 @pytest.mark.multiprocess
 @needs_netns
-def test_a_heal_whose_peer_dies_before_it_serves_is_routed_to_another(netns):
-    script = os.path.join(ROOT, "tests", "elastic_scenarios.py")
-    p = netns.start([sys.executable, script, "kill_healer", "-"])
-    ((out, _),) = communicate_all([p], 120)
-    assert p.returncode == 0, out[-3000:]
-    seen = json.loads(out.strip().splitlines()[-1])
+def test_a_heal_whose_peer_dies_before_it_serves_is_routed_to_another(scenarios):
+    seen = scenarios["kill_healer"]
     assert seen["first"] == [["serve", "1:n"]]  # routed to peer 0, killed
     assert seen["served"] > 0 and seen["got"] == [5, 999]  # peer 2 served it
 
@@ -382,12 +395,8 @@ def test_a_heal_whose_peer_dies_before_it_serves_is_routed_to_another(netns):
 @pytest.mark.multiprocess
 @needs_netns
 @pytest.mark.parametrize("variant", ["owned", "sender"])
-def test_a_sender_killed_right_after_the_decision_is_still_read(netns, variant):
-    script = os.path.join(ROOT, "tests", "elastic_scenarios.py")
-    p = netns.start([sys.executable, script, "kill_after_decision", variant])
-    ((out, _),) = communicate_all([p], 120)
-    assert p.returncode == 0, out[-3000:]
-    seen = json.loads(out.strip().splitlines()[-1])
+def test_a_sender_killed_right_after_the_decision_is_still_read(scenarios, variant):
+    seen = scenarios[variant]
     assert seen["members"] == [[0, 1, 2]] * 3  # decided with island 0
     if variant == "owned":  # the job's mechanism: every member reads its bytes
         assert seen["rows"] == [1, 2, 3] and seen["sizes"] == 1 << 20

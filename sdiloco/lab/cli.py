@@ -220,26 +220,7 @@ def _elastic(args: argparse.Namespace) -> int:
         cfg = _config(args)
         if args.out is not None and args.checkpoint_every is None:
             cfg = cfg.replace(checkpoint_every=cfg.eval_every)
-        from .elastic import ElasticOptions, check_min_step_s
-
-        options = ElasticOptions(
-            args.address,
-            grace_s=args.grace,
-            timeout_s=args.elastic_timeout,
-            heartbeat_s=args.heartbeat,
-            start_s=float(args.init_timeout),
-            max_restarts=args.max_restarts,
-        )
-        check_min_step_s(args.min_step_s)
-        if cfg.method.num_replicas < 2:
-            raise ValueError(
-                f"--replicas={cfg.method.num_replicas}; allowed: M >= 2 islands."
-            )
-        from .train import check_island, check_out_dir
-
-        check_island(cfg, (0, cfg.method.num_replicas))
-        if args.out is not None:
-            check_out_dir(args.out)
+        options = _elastic_options(args, cfg)
     except ValueError as e:
         return _fail(str(e))
     try:
@@ -270,6 +251,30 @@ def _elastic(args: argparse.Namespace) -> int:
         )
     )
     return 1 if result.errors else 0
+
+
+def _elastic_options(args: argparse.Namespace, cfg: Any) -> Any:
+    """The elastic job's options, every check made before Ray starts."""
+    from .elastic import ElasticOptions, check_min_step_s
+    from .train import check_island, check_out_dir
+
+    options = ElasticOptions(
+        args.address,
+        grace_s=args.grace,
+        timeout_s=args.elastic_timeout,
+        heartbeat_s=args.heartbeat,
+        start_s=float(args.init_timeout),
+        max_restarts=args.max_restarts,
+    )
+    check_min_step_s(args.min_step_s)
+    if cfg.method.num_replicas < 2:
+        raise ValueError(
+            f"--replicas={cfg.method.num_replicas}; allowed: M >= 2 islands."
+        )
+    check_island(cfg, (0, cfg.method.num_replicas))
+    if args.out is not None:
+        check_out_dir(args.out)
+    return options
 
 
 def _config(args: argparse.Namespace) -> config_lib.RunConfig:

@@ -81,19 +81,7 @@ def run_job(
     count = config.method.num_replicas
     start_ray(options, config, namespace=f"sdiloco-{os.getpid()}")
     try:
-        syncer = (
-            ray.remote(Syncer)
-            .options(name="syncer", max_restarts=0, num_cpus=0, max_concurrency=10_000)
-            .remote(
-                count,
-                fingerprint(config),
-                grace_s=options.grace_s,
-                start_s=options.start_s,
-                keep_s=options.keep_s,
-                heartbeat_s=options.heartbeat_s,
-                serve_s=max(10.0, 2 * options.grace_s),
-            )
-        )
+        syncer = _syncer(ray, Syncer, config, options)
         _write(out_dir, "syncer.pid", str(ray.get(syncer.ping.remote())))
         context = ray.get_runtime_context()
         where = {"namespace": context.namespace, "address": context.gcs_address}
@@ -124,6 +112,23 @@ def run_job(
         return result
     finally:
         ray.shutdown()
+
+
+def _syncer(ray: Any, kind: Any, config: RunConfig, options: ElasticOptions) -> Any:
+    """The job's syncer actor: no restart (its state is the rounds in flight)."""
+    return (
+        ray.remote(kind)
+        .options(name="syncer", max_restarts=0, num_cpus=0, max_concurrency=10_000)
+        .remote(
+            config.method.num_replicas,
+            fingerprint(config),
+            grace_s=options.grace_s,
+            start_s=options.start_s,
+            keep_s=options.keep_s,
+            heartbeat_s=options.heartbeat_s,
+            serve_s=max(10.0, 2 * options.grace_s),
+        )
+    )
 
 
 def _watch(start: Any, count: int, syncer: Any, max_restarts: int) -> JobResult:
