@@ -164,9 +164,16 @@ class Island:
         min_step_s: float = 0.0,
     ) -> dict[str, Any]:
         """Train island `replica` of `config`; returns `{"summary": ...}`, or
-        `{"error": one line}` when it could not finish (a lost syncer, refused)."""
+        `{"error": one line, "again": bool}` when it could not finish: refused, or
+        the syncer lost (`again` False), or out of step with the job (`again`
+        True: the driver runs it again and it heals)."""
         from ..distributed.courier import CourierError
-        from ..distributed.ray_transport import ElasticError, RayTransport, SyncerLost
+        from ..distributed.ray_transport import (
+            ElasticError,
+            RayTransport,
+            Refused,
+            SyncerLost,
+        )
         from . import train
 
         _write(out_dir, f"island-{replica}.pid", str(os.getpid()))
@@ -193,7 +200,11 @@ class Island:
             )
         except (ElasticError, CourierError) as e:
             lost = isinstance(e, SyncerLost) or not _alive(syncer)
-            return {"error": _ended(replica, e, lost, where, out_dir)}
+            line = _ended(replica, e, lost, where, out_dir)
+            # Neither refused nor cut off: it fell out of step (a round it read
+            # too late); run again, it heals from a peer.
+            again = not lost and not isinstance(e, Refused)
+            return {"error": line, "again": again}
         summary = _summary(history, transport, replica, started)
         _finish(out_dir, replica, summary, history.state.global_params)
         transport.serve_until_end(history.state)  # a peer behind may still heal

@@ -132,8 +132,9 @@ def _syncer(ray: Any, kind: Any, config: RunConfig, options: ElasticOptions) -> 
 
 
 def _watch(start: Any, count: int, syncer: Any, max_restarts: int) -> JobResult:
-    """Start every island and wait for them all; an island whose process died is
-    started again (Ray restarted its actor) while it has restarts left."""
+    """Start every island and wait for them all; an island whose process died
+    (Ray restarted its actor), or that fell out of step with the job, is run again
+    while it has restarts left: it heals from a live peer."""
     import ray
     from ray import exceptions as rx
 
@@ -145,23 +146,23 @@ def _watch(start: Any, count: int, syncer: Any, max_restarts: int) -> JobResult:
             m = running.pop(ref)
             try:
                 out = ray.get(ref)
-            except rx.RayActorError:
-                result.restarts[m] += 1
-                again = result.restarts[m] <= max_restarts
-                _tell(syncer, "lost", m, not again)
-                if again:
-                    running[start(m)] = m
-                else:
-                    result.errors[m] = (
-                        f"island {m} died {result.restarts[m]} times; no restart "
-                        f"left (max_restarts={max_restarts})"
-                    )
-                continue
+            except rx.RayActorError:  # its process died: Ray restarts the actor
+                out = {"error": f"island {m} died", "again": True}
             if "summary" in out:
                 result.summaries[m] = out["summary"]
-            else:
-                result.errors[m] = out["error"]
-                _tell(syncer, "lost", m, True)
+                continue
+            result.restarts[m] += out["again"]
+            if out["again"] and result.restarts[m] <= max_restarts:
+                _tell(syncer, "lost", m, False)
+                running[start(m)] = m
+                continue
+            _tell(syncer, "lost", m, True)
+            result.errors[m] = out["error"]
+            if out["again"]:
+                result.errors[m] += (
+                    f"; ended {result.restarts[m]} times, no restart left "
+                    f"(max_restarts={max_restarts})"
+                )
     try:
         result.syncer = ray.get(syncer.report.remote(), timeout=10)
     except Exception:  # noqa: BLE001 - the syncer is gone: no report
