@@ -380,6 +380,10 @@ class Syncer:
         self.expected.discard(m)
         self._check_end()
 
+    def is_done(self, m: int) -> bool:
+        """Whether island m trained its last step (it was serving heals after)."""
+        return m in self.done
+
     async def wait_end(self, wait_s: float) -> bool:
         """Whether every island that can finish is done (waiting up to `wait_s`)."""
         if self._ended is None:

@@ -106,7 +106,7 @@ def run_job(
         def start(m: int) -> Any:
             return islands[m].run.remote(config, m, *args, **kw)
 
-        result = _watch(start, count, syncer, options.max_restarts)
+        result = _watch(start, count, syncer, options.max_restarts, out_dir)
         if out_dir is not None:
             _write(out_dir, "syncer.json", json.dumps(result.syncer, indent=1))
         return result
@@ -131,7 +131,9 @@ def _syncer(ray: Any, kind: Any, config: RunConfig, options: ElasticOptions) -> 
     )
 
 
-def _watch(start: Any, count: int, syncer: Any, max_restarts: int) -> JobResult:
+def _watch(
+    start: Any, count: int, syncer: Any, max_restarts: int, out_dir: str | None
+) -> JobResult:
     """Start every island and wait for them all; an island whose process died
     (Ray restarted its actor), or that fell out of step with the job, is run again
     while it has restarts left: it heals from a live peer."""
@@ -147,7 +149,7 @@ def _watch(start: Any, count: int, syncer: Any, max_restarts: int) -> JobResult:
             try:
                 out = ray.get(ref)
             except rx.RayActorError:  # its process died: Ray restarts the actor
-                out = {"error": f"island {m} died", "again": True}
+                out = _after_death(syncer, m, out_dir)
             if "summary" in out:
                 result.summaries[m] = out["summary"]
                 continue
@@ -168,6 +170,22 @@ def _watch(start: Any, count: int, syncer: Any, max_restarts: int) -> JobResult:
     except Exception:  # noqa: BLE001 - the syncer is gone: no report
         result.syncer = {}
     return result
+
+
+def _after_death(syncer: Any, m: int, out_dir: str | None) -> dict[str, Any]:
+    """What a dead island's run counts as: finished, when it had trained its last
+    step and written its summary (it died serving heals after it); else a restart."""
+    import ray
+
+    try:
+        done = bool(ray.get(syncer.is_done.remote(m), timeout=10))
+    except Exception:  # noqa: BLE001 - the syncer is gone: the islands say so
+        done = False
+    path = None if out_dir is None else os.path.join(out_dir, f"island-{m}.json")
+    if done and path is not None and os.path.exists(path):
+        with open(path) as f:
+            return {"summary": json.load(f)}
+    return {"error": f"island {m} died", "again": True}
 
 
 def _tell(syncer: Any, method: str, *args: Any) -> None:
