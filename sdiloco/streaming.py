@@ -775,7 +775,7 @@ def _check_options(alpha, nonfinite, compressor, plugins, aggregator, fragments)
         raise ValueError(f"nonfinite={nonfinite!r}; allowed: {NONFINITE_POLICIES}.")
     if alpha is not None and (isinstance(alpha, bool) or not 0 <= alpha <= 1):
         raise ValueError(f"alpha={alpha!r}; must be in [0, 1].")
-    feedback = None
+    feedback, given = None, compressor
     if isinstance(compressor, str):
         compressor, feedback = parse_with_feedback(compressor)
     if compressor is not None and not isinstance(compressor, Compressor):
@@ -789,6 +789,11 @@ def _check_options(alpha, nonfinite, compressor, plugins, aggregator, fragments)
     check_aggregator(aggregator)
     plugin = as_plugin(plugins)
     if feedback is not None:
+        if any(isinstance(p, type(feedback)) for p in plugin.plugins):
+            raise ValueError(
+                f"compressor={given!r} ends in error feedback (ef) and plugins hold "
+                "error_feedback(...); allowed: one of the two."
+            )
         plugin = chain(feedback, *plugin.plugins)
     if plugin.merges and alpha is not None:
         raise ValueError(

@@ -176,5 +176,7 @@ def test_plugins_compose_in_order_and_bad_input_is_one_line():
         sdiloco.error_feedback(1.5)
     with pytest.raises(ValueError, match="kind='flip'; allowed"):
         bad_replica("flip")
+    with pytest.raises(ValueError, match="ends in error feedback .ef. and plugins"):
+        _alg((sdiloco.error_feedback(0.5),), compressor="int2,ef")
     with pytest.raises(ValueError, match="ends in error feedback, a plug-in"):
         sdiloco.compression.parse("int2,ef")
