@@ -72,7 +72,7 @@ class Peer:
         self.m = m
 
     def message(self, name: str) -> Any:
-        return self.outbox[name]
+        return True, self.outbox[name]
 
     def hello(self) -> Any:
         import ray

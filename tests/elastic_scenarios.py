@@ -55,7 +55,7 @@ class Peer:
         self.m, self.decided = m, None
 
     def message(self, name):
-        return self.outbox[name]
+        return True, self.outbox[name]
 
     def put_message(self, name):
         return [ray.put(self.outbox[name])]

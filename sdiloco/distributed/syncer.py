@@ -214,16 +214,20 @@ class Syncer:
 
     async def _own(self, name: str, m: int) -> Any:
         """Island m's message of round `name` as an object the syncer owns, once
-        it exists (None: m died meanwhile)."""
-        import ray
-
+        it exists (None: m died meanwhile, or did not answer within 4 grace
+        windows). The call returns two objects: a token, which the syncer reads
+        (a few bytes), and the message, which it never fetches; the token read
+        means the call succeeded, so the message exists (a dead sender's call
+        leaves an error in its place, which must never count as an arrival)."""
         island = self.islands.get(m)
         if island is None:
             return None
-        ref = island.message.remote(name)
-        wait = lambda: ray.wait([ref], timeout=self.grace_s * 4, fetch_local=False)  # noqa: E731
-        ready, _ = await asyncio.get_running_loop().run_in_executor(None, wait)
-        return ref if ready else None
+        token, message = island.message.options(num_returns=2).remote(name)
+        try:
+            await asyncio.wait_for(token, self.grace_s * 4)
+        except Exception:  # noqa: BLE001 - died, failed, or too slow: no arrival
+            return None
+        return message
 
     def got(self, name: str, m: int) -> None:
         """Island m read every member's message of round `name`."""

@@ -146,10 +146,10 @@ class Island:
     def __init__(self):
         self.outbox: dict[str, np.ndarray] = {}
 
-    def message(self, name: str) -> np.ndarray:
-        """This island's message of round `name`, for the syncer: the result is an
-        object the syncer owns (`distributed.syncer`)."""
-        return self.outbox[name]
+    def message(self, name: str) -> tuple[bool, np.ndarray]:
+        """A token and this island's message of round `name`, for the syncer (two
+        results, objects the syncer owns: `Syncer._own`)."""
+        return True, self.outbox[name]
 
     def run(
         self,
