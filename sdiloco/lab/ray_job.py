@@ -13,6 +13,7 @@ per island that could not finish, and one line when no island could.
 import dataclasses
 import json
 import os
+import time
 from typing import Any
 
 from .config import RunConfig
@@ -148,6 +149,11 @@ def _watch(
             m = running.pop(ref)
             try:
                 out = ray.get(ref)
+            except rx.ActorUnavailableError:  # being restarted: ask again soon
+                _tell(syncer, "lost", m, False)
+                time.sleep(0.5)
+                running[start(m)] = m
+                continue
             except rx.RayActorError:  # its process died: Ray restarts the actor
                 out = _after_death(syncer, m, out_dir)
             if "summary" in out:
