@@ -367,8 +367,9 @@ def test_a_lost_syncer_ends_each_island_in_one_line_and_the_job_resumes(
     assert job.returncode == 0, out[-4000:]
     start = _summary(tmp_path, "syncer.json")["start_step"]
     assert start >= 60  # resumed from the checkpoints, not from step 0
-    firsts = [_summary(tmp_path, f"island-{m}.json")["first_step"] for m in range(M)]
-    assert firsts == [start] * M
+    summaries = [_summary(tmp_path, f"island-{m}.json") for m in range(M)]
+    for s in summaries:  # at the job's start; one behind it healed from a peer
+        assert s["first_step"] == start or (s["healed"] and s["first_step"] > start)
     _assert_equal_thetas(tmp_path, train.build(_config()).model)
 
 
