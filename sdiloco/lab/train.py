@@ -13,7 +13,7 @@ processes, and one island of an elastic job: only the `cluster.Placement` differ
 `run` with the same config and output directory; each reads its own replicas'
 batches, all write their shards of each checkpoint, and process 0 alone shows
 progress and writes the history. An island (`transport=` an elastic job's
-`distributed.BoardTransport`) trains its one replica with its own output directory;
+`distributed.RayTransport`) trains its one replica with its own output directory;
 the transport's `join` (before the first step) and `between_steps` (after each)
 are where it heals and serves heals (`sdiloco.lab.elastic`).
 """
@@ -247,7 +247,7 @@ def run(
         transport: a `distributed.Transport` (or a function `move(messages,
             fragment, sent) -> messages`) that moves the DiLoCo family's exchange
             between steps, in one process. One with `island=(m, M)` (an elastic
-            job's `distributed.BoardTransport`) makes this run replica m of the
+            job's `distributed.RayTransport`) makes this run replica m of the
             config alone: its share of the batch, its transport's `join` before the
             first step (a restarted island heals there, from a live peer: newer than
             any checkpoint) and `between_steps` after each.
