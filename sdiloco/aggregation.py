@@ -40,7 +40,7 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int
 
-from .participation import over_senders
+from .participation import over_senders, where_replicas
 
 
 class Aggregate(Protocol):
@@ -71,7 +71,7 @@ class Mean(Aggregator):
 
     def __call__(self, rows, sent, steps):
         del steps
-        kept = [_where_sent(sent, r, jnp.zeros_like(r)) for r in rows]
+        kept = [where_replicas(sent, r, jnp.zeros_like(r)) for r in rows]
         mean = average(kept)
         return over_senders(mean, jnp.sum(sent), sent.shape[0])
 
@@ -158,7 +158,7 @@ class ClippedMean(Aggregator):
     def __call__(self, rows, sent, steps):
         del steps
         sent = sent & _finite_rows(rows)
-        safe = [_where_sent(sent, r, jnp.zeros_like(r)) for r in rows]
+        safe = [where_replicas(sent, r, jnp.zeros_like(r)) for r in rows]
         norms = jnp.sqrt(sum(jnp.sum(_flat(r) ** 2, axis=1) for r in safe))
         if self.max_norm is None:
             n = jnp.sum(sent)
@@ -231,10 +231,6 @@ def check_aggregator(aggregator: Callable) -> None:
 # ----------------------------------------------------------------------------- helpers
 
 
-def _where_sent(sent: Array, x: Array, other) -> Array:
-    return jnp.where(sent.reshape((-1,) + (1,) * (x.ndim - 1)), x, other)
-
-
 def _flat(x: Array) -> Array:
     return x.reshape(x.shape[0], -1)
 
@@ -250,7 +246,7 @@ def _middle_mean(rows: list[Array], sent: Array, k: Array) -> list[Array]:
     n = jnp.sum(sent)
     out = []
     for r in rows:
-        ranked = jnp.sort(_where_sent(sent, r, jnp.inf), axis=0)
+        ranked = jnp.sort(where_replicas(sent, r, jnp.full_like(r, jnp.inf)), axis=0)
         rank = jnp.arange(r.shape[0]).reshape((-1,) + (1,) * (r.ndim - 1))
         keep = (rank >= k) & (rank < n - k)
         total = jnp.sum(jnp.where(keep, ranked, 0), axis=0)

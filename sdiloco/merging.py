@@ -20,7 +20,9 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool
 
 from .compression.base import compute_dtype
-from .plugins import Plugin, pieces, replicated, scatter_senders
+from .inner import replicate
+from .participation import where_replicas
+from .plugins import Plugin, pieces, scatter_senders
 
 
 class AlphaMerge(Plugin):
@@ -77,7 +79,7 @@ class Eager(Plugin):
     def init(self, params, num_replicas, num_fragments):
         """The stand-ins, θ_g on every replica."""
         del num_fragments
-        return replicated(params, num_replicas)
+        return replicate(params, num_replicas)
 
     def after_send(self, send, sent, own, replicas, state):
         """Every sender takes its stand-in step, and remembers it."""
@@ -87,9 +89,9 @@ class Eager(Plugin):
         if send.sends is not None:  # a replica not sending: its stand-in is θ_g
             mask, leaves = send.sends, send.visit.group.leaves
             dtypes = [replicas[i].dtype for i in leaves]
-            g = replicated(send.global_, mask.shape[0])
+            g = replicate(send.global_, mask.shape[0])
             stand = [
-                jnp.where(mask.reshape((-1,) + (1,) * (x.ndim - 1)), x, y.astype(d))
+                where_replicas(mask, x, y.astype(d))
                 for x, y, d in zip(stand, g, dtypes)
             ]
         return replicas, send.visit.scatter(state, stand, axis=1)

@@ -258,11 +258,6 @@ def error_feedback(beta: float = 1.0) -> ErrorFeedback:
     return ErrorFeedback(beta=beta)
 
 
-def replicated(params: list[Array], num_replicas: int) -> list[Array]:
-    """θ_g's leaves broadcast to `[M, ...]` (a state that starts from θ_g)."""
-    return [jnp.broadcast_to(x[None], (num_replicas,) + x.shape) for x in params]
-
-
 def is_finite(values: list[Array]) -> Array:
     """Whether every value of every array is finite (`[]` bool)."""
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(v)) for v in values]))
