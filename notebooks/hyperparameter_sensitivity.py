@@ -126,6 +126,17 @@ plotting.save_table(
     notebook=NOTEBOOK,
     seeds=SEEDS,
 )
+# The seed noise of one tuning comparison (`tuning.seed_noise`): how much the gap
+# between two settings one grid step apart moves from seed to seed. The tuning
+# protocol's noise rule (`tuning.NOISE`) is this number.
+noise = tuning.seed_noise(list(sweeps.values())) if len(SEEDS) > 1 else None
+noise_text = (
+    ""
+    if noise is None
+    else f" The seed noise of one comparison (the standard deviation over seeds of "
+    f"a moved point's gap to the tuned point, pooled over the {len(rows)} points): "
+    f"{noise:.2%} (`tuning.NOISE` = {tuning.NOISE:.1%})."
+)
 plotting.save_table(
     summary,
     f"{NOTEBOOK}_summary",
@@ -134,13 +145,14 @@ plotting.save_table(
         "Per seed, the mean over the moved points of loss ÷ tuned loss − 1; the last "
         "column is the seed-paired difference from Data-Parallel's, in percentage "
         "points, with its 95 % t-interval (positive: more sensitive than "
-        "Data-Parallel)."
+        "Data-Parallel)." + noise_text
     ),
     notebook=NOTEBOOK,
     seeds=SEEDS,
 )
 print(plotting.markdown_table(rows))
 print(plotting.markdown_table(summary))
+print(noise_text.strip())
 
 # %%
 fig, panels = plt.subplots(1, len(FIELDS), figsize=(4.2 * len(FIELDS), 3.8))

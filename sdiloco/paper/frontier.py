@@ -26,7 +26,7 @@ from ..distributed.wire import Wire
 from ..lab import train
 from ..lab.config import RunConfig, preset as make_preset
 from . import experiments
-from .tuning import Axis, Search, coordinate_search, doubling, step_by
+from .tuning import Axis, Confirm, Search, coordinate_search, doubling, step_by
 
 
 RECIPES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -101,6 +101,7 @@ def tune(
     num_replicas: int = 2,
     seeds: Sequence[int] = (0,),
     swept: Sequence[Axis] | None = None,
+    confirm: Confirm | None = None,
 ) -> Search:
     """The reduced protocol for one recipe (module docstring), recorded and
     resumable like every run.
@@ -108,6 +109,8 @@ def tune(
     Args:
         swept: the axes to search, in order; default `axes(recipe, model)`. An axis
             left out keeps the recipe's starting value (`tuned_config` reads it so).
+        confirm: the noise rule (`tuning.CONFIRM`): a decision closer than the seed
+            noise taken on more seeds.
     """
     name, changes = RECIPES[recipe]
     method = {**changes.get("method", {}), "num_replicas": num_replicas}
@@ -115,7 +118,9 @@ def tune(
         name, model=model, data={"validation": True}, **{**changes, "method": method}
     )
     swept = axes(recipe, model) if swept is None else swept
-    return coordinate_search(regime.apply(base), swept, regime=regime, seeds=seeds)
+    return coordinate_search(
+        regime.apply(base), swept, regime=regime, seeds=seeds, confirm=confirm
+    )
 
 
 def tuned_config(
@@ -193,7 +198,11 @@ def muon_axis(model: str) -> Axis:
 
 
 def tune_muon_baseline(
-    model: str, *, regime: experiments.Regime, seeds: Sequence[int] = (0,)
+    model: str,
+    *,
+    regime: experiments.Regime,
+    seeds: Sequence[int] = (0,),
+    confirm: Confirm | None = None,
 ) -> Search:
     """Data-Parallel with Muon inside, its inner learning rate tuned by the recipes'
     protocol (validation split, seed 0, M = 2): the baseline the Muon recipes are
@@ -207,7 +216,11 @@ def tune_muon_baseline(
         method={"num_replicas": 2},
     )
     return coordinate_search(
-        regime.apply(base), (muon_axis(model),), regime=regime, seeds=seeds
+        regime.apply(base),
+        (muon_axis(model),),
+        regime=regime,
+        seeds=seeds,
+        confirm=confirm,
     )
 
 

@@ -79,12 +79,16 @@ def step_by(delta: float, low: float) -> Callable[[float, int], float]:
 
 @dataclasses.dataclass
 class Trial:
-    """One point of a sweep: the axis, its value, and the loss over seeds."""
+    """One point of a sweep: the axis, its value, and the loss over seeds.
+
+    `losses` are in `seeds` order: the search's own seeds first, then, for a value
+    the noise rule confirmed (`Confirm`), its extra seeds."""
 
     axis: str
     value: Any
     config: RunConfig
     losses: list[float]
+    seeds: tuple[int, ...] = (0,)
 
     @property
     def mean(self) -> float:
@@ -103,16 +107,73 @@ class Search:
         kept: `(field, value kept, best value, relative gap)` of each decision where
             the tie rule kept a value nearer the published one than the best trial
             (`coordinate_search`'s `published`); empty when every choice is the best.
+        confirmed: one `Confirmation` per decision the noise rule (`Confirm`) took
+            to more seeds, in order; empty without the rule.
     """
 
     best: RunConfig
     trials: list[Trial]
     infeasible: list[tuple[str, Any, str]] = dataclasses.field(default_factory=list)
     kept: list[tuple[str, Any, Any, float]] = dataclasses.field(default_factory=list)
+    confirmed: list["Confirmation"] = dataclasses.field(default_factory=list)
 
     def best_values(self, axes: Sequence[Axis]) -> dict[str, Any]:
         """The chosen value of each axis."""
         return {a.field: get_field(self.best, a.field) for a in axes}
+
+
+@dataclasses.dataclass(frozen=True)
+class Confirm:
+    """The noise rule: a decision whose best trials are closer than the seed noise is
+    taken on more seeds.
+
+    Once an axis' values are trained on the search's seeds, every value whose loss
+    there is within `noise` (relative) of the best is a contender. Where there are
+    two or more, each contender is trained on `seeds` as well, and the axis is
+    decided among the contenders by the mean over all their seeds: the same seeds
+    for every contender, so the comparison is paired by seed. A value further than
+    `noise` from the best is not trained again. With a published choice the tie
+    rule then applies to those means, with `tie` in place of the search's own (a
+    mean over more seeds moves less with another machine's arithmetic).
+
+    Attributes:
+        noise: the relative seed noise of a one-seed comparison (`NOISE`), >= 0.
+        seeds: the extra seeds, at least one, none of them among the search's own.
+        tie: the tie rule's relative tolerance for a confirmed decision, >= 0.
+    """
+
+    noise: float
+    seeds: tuple[int, ...]
+    tie: float = 0.0
+
+    def __post_init__(self):
+        for name in ("noise", "tie"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(
+                    f"Confirm.{name}={value!r}; must be a finite number >= 0."
+                )
+        if not self.seeds or len(set(self.seeds)) != len(self.seeds):
+            raise ValueError(
+                f"Confirm.seeds={self.seeds!r}; need one or more distinct seeds."
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class Confirmation:
+    """One decision the noise rule (`Confirm`) took to more seeds.
+
+    Attributes:
+        field: the axis.
+        contenders: each contender's value → its losses, the search's seeds first.
+        first: the value the search's own seeds alone made best.
+        chosen: the value decided on every seed (after the tie rule, if any).
+    """
+
+    field: str
+    contenders: dict[Any, list[float]]
+    first: Any
+    chosen: Any
 
 
 def coordinate_search(
@@ -125,6 +186,7 @@ def coordinate_search(
     train: Callable[[str, RunConfig, int], float] | None = None,
     published: Mapping[str, Any] | None = None,
     tie: float = 0.0,
+    confirm: Confirm | None = None,
 ) -> Search:
     """Sweep each axis in turn at the best values so far; extend past an edge.
 
@@ -142,6 +204,10 @@ def coordinate_search(
     moves the choice. Without `published` (or at `tie=0`, up to exact ties) each
     decision is the best trial.
 
+    **The noise rule.** With `confirm`, a decision whose contenders are closer than
+    the seed noise is taken on more seeds (`Confirm`); `Search.confirmed` lists
+    each such decision.
+
     Args:
         base: the starting config (a preset at some model size).
         axes: the hyper-parameters, swept in this order.
@@ -155,16 +221,17 @@ def coordinate_search(
             fields it lacks are decided by the best trial alone.
         tie: the relative loss gap within which a value nearer the published one is
             kept over the best (`TIE` in `tune`); >= 0.
+        confirm: the noise rule (`CONFIRM` in `tune`); None decides on `seeds` alone.
 
     Returns:
         The `Search`.
 
     Raises:
         ValueError: if the base config does not evaluate on the validation split,
-            `tie` is negative or not finite, or no value of an axis can be trained
-            at the budget.
+            `tie` is negative or not finite, `confirm` shares a seed with `seeds`,
+            or no value of an axis can be trained at the budget.
     """
-    _check_search(base, tie)
+    _check_search(base, tie, seeds, confirm)
 
     def recorded(name: str, config: RunConfig, seed: int) -> float:
         return experiments.run_one(name, config, seed).final(metric)
@@ -172,58 +239,116 @@ def coordinate_search(
     train_fn = recorded if train is None else train
 
     current, trials, infeasible = base, [], []
-    seen: dict[str, Trial] = {}
+    losses_of: dict[str, dict[int, float]] = {}  # config → seed → loss
 
-    def trial(axis: Axis, value: Any) -> Trial:
+    def trial(axis: Axis, value: Any, extra: Sequence[int] = ()) -> Trial:
         changed = set_field(current, axis.field, value)
+        want = (*seeds, *extra)
         try:
             config = regime.apply(changed)
         except ValueError as e:  # the budget cannot train it (e.g. H < 2): skip
             infeasible.append((axis.field, value, str(e)))
-            return Trial(axis.field, value, changed, [math.inf])
-        key = config.to_json()
-        if key not in seen:
-            name = f"{axis.field}={value}"
-            losses = [train_fn(name, config, s) for s in seeds]
-            seen[key] = Trial(axis.field, value, config, losses)
-        t = dataclasses.replace(seen[key], axis=axis.field, value=value)
-        trials.append(t)
+            return Trial(axis.field, value, changed, [math.inf] * len(want), want)
+        have = losses_of.setdefault(config.to_json(), {})
+        for s in want:
+            if s not in have:
+                have[s] = train_fn(f"{axis.field}={value}", config, s)
+        t = Trial(axis.field, value, config, [have[s] for s in want], want)
+        if extra:  # a confirmed value: its entry on this axis gains the seeds
+            i = max(
+                i
+                for i, u in enumerate(trials)
+                if (u.axis, u.value) == (t.axis, t.value)
+            )
+            trials[i] = t
+        else:
+            trials.append(t)
         return t
 
     published = published or {}
     kept: list[tuple[str, Any, Any, float]] = []
+    confirmed: list[Confirmation] = []
     for axis in axes:
         try:
-            best, low, done = _sweep(axis, trial, published.get(axis.field), tie)
+            best, low, done, confirmation = _sweep(
+                axis, trial, published.get(axis.field), tie, confirm
+            )
         except ValueError as e:
             raise ValueError(f"{e} at {regime!r}: {infeasible[-1][2]}") from None
         if best != low:  # the tie rule kept another value than the best trial
             gap = (done[best].mean - done[low].mean) / abs(done[low].mean)
             kept.append((axis.field, best, low, gap))
+        if confirmation is not None:
+            confirmed.append(confirmation)
         current = regime.apply(set_field(current, axis.field, best))
-    return Search(current, trials, infeasible, kept)
+    return Search(current, trials, infeasible, kept, confirmed)
+
+
+Trainer = Callable[..., Trial]
+"""`trial(axis, value, extra_seeds=()) -> Trial` inside `coordinate_search`."""
 
 
 def _sweep(
-    axis: Axis, trial: Callable[[Axis, Any], Trial], target: Any, tie: float
-) -> tuple[Any, Any, dict[Any, Trial]]:
+    axis: Axis, trial: Trainer, target: Any, tie: float, confirm: Confirm | None
+) -> tuple[Any, Any, dict[Any, Trial], Confirmation | None]:
     """One axis of `coordinate_search`: its values, extended past an edge while the
-    choice sits there; returns the value kept, the best trial's and every trial."""
+    choice sits there; returns the value kept, the best trial's, every trial and the
+    noise rule's confirmation (None where it did not apply)."""
     values, extensions = list(axis.values), 0
     done = {v: trial(axis, v) for v in values}
     while True:
-        best, low = _pick(values, done, target, tie)
+        among, confirmation, decide_tie = values, None, tie
+        if confirm is not None:
+            among = _confirm(axis, values, done, trial, confirm)
+            if among is not values:
+                decide_tie = confirm.tie
+        best, low = _pick(among, done, target, decide_tie)
+        if confirm is not None and among is not values:
+            first = min(values, key=lambda v: _first_mean(done[v], confirm))
+            contenders = {v: done[v].losses for v in among}
+            confirmation = Confirmation(axis.field, contenders, first, best)
         if math.isinf(done[low].mean):
             raise ValueError(f"no value of {axis.field!r} in {values} can be trained")
         edge = -1 if best == values[0] else (1 if best == values[-1] else 0)
         if not edge or axis.extend is None or extensions >= axis.max_extensions:
-            return best, low, done
+            return best, low, done, confirmation
         new = axis.extend(best, edge)
         if new in done:
-            return best, low, done
+            return best, low, done, confirmation
         values = sorted(values + [new])
         done[new] = trial(axis, new)
         extensions += 1
+
+
+def _first_mean(t: Trial, confirm: Confirm) -> float:
+    """A trial's mean loss on the search's own seeds (a confirmed trial's extra seeds
+    left out), so that every value of an axis is compared on the same seeds."""
+    return float(
+        np.mean([x for s, x in zip(t.seeds, t.losses) if s not in confirm.seeds])
+    )
+
+
+def _confirm(
+    axis: Axis,
+    values: list[Any],
+    done: dict[Any, Trial],
+    trial: Trainer,
+    confirm: Confirm,
+) -> list[Any]:
+    """The noise rule on one axis: the contenders (within `confirm.noise` of the best
+    on the search's seeds), each trained on the extra seeds where there are two or
+    more (`done` updated); returns the values the decision is among (`values`
+    itself where the rule does not apply)."""
+    first = {v: _first_mean(done[v], confirm) for v in values}
+    low = min(first.values())
+    if not math.isfinite(low):
+        return values
+    contenders = [v for v in values if first[v] <= low + confirm.noise * abs(low)]
+    if len(contenders) < 2:
+        return values
+    for v in contenders:
+        done[v] = trial(axis, v, confirm.seeds)
+    return contenders
 
 
 def _pick(
@@ -240,10 +365,19 @@ def _pick(
     return min(near, key=lambda v: (_distance(v, target), done[v].mean)), best
 
 
-def _check_search(base: RunConfig, tie: float) -> None:
+def _check_search(
+    base: RunConfig, tie: float, seeds: Sequence[int], confirm: Confirm | None
+) -> None:
     """`coordinate_search`'s bad input, before any trial."""
     if not (math.isfinite(tie) and tie >= 0):
         raise ValueError(f"tie={tie!r}; must be a finite number >= 0.")
+    if not seeds:
+        raise ValueError(f"seeds={tuple(seeds)!r}; need at least one seed.")
+    if confirm is not None and set(confirm.seeds) & set(seeds):
+        raise ValueError(
+            f"Confirm.seeds={confirm.seeds!r} shares seeds with seeds={tuple(seeds)!r}; "
+            "the noise rule's seeds must be extra ones."
+        )
     if not base.data.validation:
         raise ValueError(
             "DataConfig.validation=False in the base config; tuning must evaluate on "
@@ -307,6 +441,63 @@ them. With the rule a sweep re-trained elsewhere retraces the published path as 
 as no loss moves by more than 0.5 %; a larger gap still moves a choice."""
 
 
+NOISE: float = 0.006
+"""The seed noise of one tuning comparison: the standard deviation, over seeds, of
+the relative gap between two trials one grid step apart, trained on the same seed
+(`seed_noise` of the `hyperparameter_sensitivity` notebook's 18 pairs of tiny-xs at
+3 seeds: 0.61 %, 36 degrees of freedom). Two one-seed trials closer than this are not
+ranked by one seed."""
+
+CONFIRM: Confirm = Confirm(noise=NOISE, seeds=(1, 2), tie=0.003)
+"""The protocol's noise rule: two more seeds (three in all, as every headline cell)
+for each contender of a decision closer than `NOISE`. Three seeds shrink the noise of
+a paired mean to NOISE / sqrt(3) = 0.35 %: two values a whole `NOISE` apart are then
+ranked right 96 % of the time, where one seed ranks them right 84 % (a normal gap of
+one and sqrt(3) standard deviations); closer values are near-ties whose choice moves
+the loss by less than the noise itself, and a fourth and fifth seed (0.27 %) would
+double the confirmation's cost for a little less. The tie rule on a confirmed mean
+keeps a published choice within 0.3 %: the arithmetic of another machine type moves
+a final loss by less than 0.54 % in 90 % of re-trained records, a mean of three by
+about 0.54 / sqrt(3)."""
+
+
+def seed_noise(sweeps: Sequence["Sensitivity"]) -> float:
+    """`NOISE` from `sensitivity` sweeps: the pooled standard deviation over seeds of
+    each moved point's relative gap to its tuned point, seed by seed (each point's
+    own mean gap removed; n - 1 degrees of freedom per point)."""
+    gaps = [
+        np.asarray(losses) / np.asarray(s.tuned_losses) - 1
+        for s in sweeps
+        for points in s.moved.values()
+        for losses in points.values()
+    ]
+    if not gaps or any(len(g) < 2 for g in gaps):
+        raise ValueError("seed_noise needs moved points trained on two or more seeds")
+    squares = sum(float(((g - g.mean()) ** 2).sum()) for g in gaps)
+    return math.sqrt(squares / sum(len(g) - 1 for g in gaps))
+
+
+def confirmation_rows(searches: Mapping[str, Search]) -> list[dict[str, Any]]:
+    """One row per decision the noise rule took to more seeds, for a table: the
+    search's label, the axis, the value the search's own seeds made best, each
+    contender's mean over every seed, and the value chosen on them."""
+    return [
+        {
+            "search": label,
+            "axis": c.field,
+            "one seed": f"{c.first:g}",
+            "contenders (mean over seeds)": ", ".join(
+                f"{v:g}: {np.mean(losses):.4f}"
+                for v, losses in sorted(c.contenders.items())
+            ),
+            "chosen": f"{c.chosen:g}",
+            "moved": "yes" if c.chosen != c.first else "",
+        }
+        for label, search in searches.items()
+        for c in search.confirmed
+    ]
+
+
 def tune_warmup(
     preset: str,
     model: str,
@@ -314,11 +505,13 @@ def tune_warmup(
     regime: Regime,
     seeds: Sequence[int] = (0,),
     axis: Axis = WARMUP,
+    confirm: Confirm | None = None,
 ) -> Search:
     """The warmup swept for one method and size, the other settings at their tuned
     values (`config.TUNED`, without a tuned warmup): the protocol's last axis, on the
     validation split, the same grid (`WARMUP`) and budget for every method. The
-    published warmup is kept within `TIE` of the best."""
+    published warmup is kept within `TIE` of the best; with `confirm` (`CONFIRM`)
+    the noise rule decides a near-tie on more seeds."""
     base = make_preset(preset, model=model, data={"validation": True})
     base = base.replace(inner={"warmup_fraction": None})
     return coordinate_search(
@@ -328,6 +521,7 @@ def tune_warmup(
         seeds=seeds,
         published=TUNED.get(preset, {}).get(model),
         tie=TIE,
+        confirm=confirm,
     )
 
 
@@ -338,11 +532,13 @@ def tune(
     regime: Regime,
     seeds: Sequence[int] = (0,),
     axes: Sequence[Axis] | None = None,
+    confirm: Confirm | None = None,
 ) -> Search:
     """The protocol for one method and model size: `coordinate_search` of
     `standard_axes` from the preset's defaults, on the validation split; a size
     already in the presets' table (`config.TUNED`) keeps its published choices
-    within `TIE` of the best (the tie rule)."""
+    within `TIE` of the best (the tie rule); with `confirm` (`CONFIRM`) a decision
+    closer than the seed noise is taken on more seeds (the noise rule)."""
     base = make_preset(preset, tuned=False, model=model, data={"validation": True})
     axes = standard_axes(base.method.kind) if axes is None else axes
     return coordinate_search(
@@ -352,6 +548,7 @@ def tune(
         seeds=seeds,
         published=TUNED.get(preset, {}).get(model),
         tie=TIE,
+        confirm=confirm,
     )
 
 
@@ -413,7 +610,9 @@ def save_tuned(
         "sdiloco.paper.tuning via notebooks/hyperparameter_sweep: coordinate search "
         "on the validation split at 20 tokens per parameter and 50 outer rounds, one "
         "seed per trial (the warmup fraction swept last, from the others' choices, "
-        "scored on every validation window); records in paper_figures/runs/."
+        "scored on every validation window); at tiny-xs, near-ties within the seed "
+        "noise decided on three seeds (tuning.CONFIRM); records in "
+        "paper_figures/runs/."
     )
     target.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
     return table
@@ -504,13 +703,15 @@ def headline(
     metric: str = "eval/global",
     budget: Regime | None = None,
     axes: Callable[[str], Sequence[Axis]] | None = None,
+    confirm: Confirm | None = None,
 ) -> dict[str, list[float]]:
     """Each method at its tuned setting, evaluated on the held-out split, per seed.
 
     The tuned setting is the protocol's at `regime` (`tune`, read from its records);
     the evaluation split changes (`DataConfig.validation=False`) and, with a `budget`,
     so do the steps and H (e.g. 4x the tokens per parameter at the same settings).
-    `axes(preset)` gives the axes the search swept (default `standard_axes`).
+    `axes(preset)` gives the axes the search swept (default `standard_axes`), and
+    `confirm` the noise rule it ran with (`tune`).
 
     Returns:
         Method name → the final `metric` of each seed, in `seeds` order.
@@ -518,7 +719,7 @@ def headline(
     out = {}
     for name, preset in PRESETS.items():
         swept = None if axes is None else axes(preset)
-        best = tune(preset, model, regime=regime, axes=swept).best
+        best = tune(preset, model, regime=regime, axes=swept, confirm=confirm).best
         config = best.replace(data={"validation": False})
         if budget is not None:
             config = budget.apply(config)
@@ -536,6 +737,7 @@ def rounds_sweep(
     metric: str = "eval/global",
     axes: Callable[[str], Sequence[Axis]] | None = None,
     published: Mapping[int, float] | None = None,
+    confirm: Confirm | None = None,
 ) -> list[dict[str, Any]]:
     """The held-out gap to Data-Parallel at other numbers of outer rounds, same tokens.
 
@@ -545,7 +747,9 @@ def rounds_sweep(
     outer-lr axis, extended at its edges: the best outer lr grows with H; a
     `published` outer lr for R, rounds → lr, is kept within `TIE` of the best), then
     trained with `seeds` on the held-out split and paired by seed with Data-Parallel
-    at its tuned setting (which has no rounds).
+    at its tuned setting (which has no rounds). `confirm` is the noise rule the
+    tuned settings were searched with (`tune`); the outer lr per R is decided on one
+    seed.
 
     Returns:
         One row per R: rounds, H, the outer lr chosen, the method's and
@@ -555,7 +759,7 @@ def rounds_sweep(
 
     def tuned(p: str) -> RunConfig:
         swept = None if axes is None else axes(p)
-        return tune(p, model, regime=regime, axes=swept).best
+        return tune(p, model, regime=regime, axes=swept, confirm=confirm).best
 
     dp = tuned("data_parallel").replace(data={"validation": False})
     dp_losses = [
