@@ -24,23 +24,38 @@ Shipped here, each an `eqx.Module` with static configuration:
   largest and smallest of the n senders' values;
 - `median()`: per coordinate, the median of the senders' values;
 - `clipped_mean(max_norm=None, factor=2.0)`: each sender's row clipped to a norm
-  (fixed, or `factor` times the senders' median norm), then the mean.
+  (fixed, or `factor` times the senders' median norm), then the mean;
+- `steps_weighted_mean(power=1.0)`: each sender weighted by `steps ** power`
+  (Decoupled DiLoCo's tokens² / steps is `power = 1` with equal batches);
+- `radial_directional(power=0.0, plain_shapes=(), scope="piece")`: Decoupled
+  DiLoCo's merge of norms and directions apart, the weighted mean norm times the
+  unit weighted-mean direction, per piece; pieces of the given shapes (the
+  embeddings) by the weighted mean;
+- `quorum(k, inner=mean())`: `inner` where at least k replicas sent; a round
+  with fewer fails (non-finite), which leaves θ_g and the outer state as if nobody
+  had sent.
 
-The plain and token-weighted means keep a non-finite row: the mean is then not
-finite and the run's `nonfinite` policy decides (by default the round fails). The
-robust ones treat a sender whose row is not finite as one that did not send: a
-NaN replica cannot fail their round. With no sender left, every aggregator returns
-zeros (the core takes no outer step for a fragment nobody sent).
+The plain, token- and steps-weighted means and the radial-directional average
+keep a non-finite row: the result is then not finite and the run's `nonfinite`
+policy decides (by default the round fails). The robust ones treat a sender whose
+row is not finite as one that did not send: a NaN replica cannot fail their round.
+With no sender left, every aggregator returns zeros (the core takes no outer step
+for a fragment nobody sent).
 """
 
-from collections.abc import Callable
-from typing import Protocol
+import math
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int
 
 from .participation import over_senders, where_replicas
+
+
+SCOPES = ("piece", "fragment")
 
 
 class Aggregate(Protocol):
@@ -86,16 +101,133 @@ class TokenWeightedMean(Aggregator):
         if steps is None:
             return Mean()(rows, sent, None)
         w = jnp.where(sent, steps, 0).astype(jnp.float32)
-        total = jnp.sum(w)
-        # each row scaled by n·w_m / Σw (exactly 1 when the weights are equal), so
-        # the mean over the n senders is the weighted mean
-        n = jnp.sum(sent).astype(jnp.float32)
-        factor = jnp.where(total > 0, n * w / jnp.maximum(total, 1.0), 1.0)
-        scaled = [
-            r * factor.astype(r.dtype).reshape((-1,) + (1,) * (r.ndim - 1))
-            for r in rows
-        ]
-        return Mean()(scaled, sent, None)
+        return Mean()(_scaled(rows, _weight_factors(sent, w)), sent, None)
+
+
+class StepsWeightedMean(Aggregator):
+    """`Σ w_m Δ_m / Σ w_m` over the senders with `w_m = steps_m ** power`, `steps_m`
+    the inner steps replica m took since the fragment's last send (or since it came
+    back). Where the steps are unknown (None), or every sender's weight is 0, it is
+    the plain mean; `power = 0` is the plain mean and `power = 1` the token-weighted
+    mean, both bitwise.
+
+    Decoupled DiLoCo weighs a learner by `tokens² / s`, s its steps since it last
+    *received* the fragment. With equal batches of b tokens a sender's Δ holds
+    `b·steps_m` tokens, so where `s = steps_m` the weight is `b²·steps_m ∝ steps_m`:
+    `power = 1`, today's token weighting. In this core s is less than `steps_m` only
+    by the steps m took between the fragment's previous send and its merge of that
+    round (the overlap τ): a replica that did not send a round still merges its
+    outcome, and one that comes back adopts θ_g and starts its count at 0, so
+    missing rounds does not make the two counts differ. With τ > 0 the replicas that
+    computed every step still weigh alike under both formulas, but a straggler's
+    exact weight `b²·steps_m² / s_m` needs s_m, which the core does not give an
+    aggregator. `power = 2` weighs by tokens² alone (every learner equally stale).
+
+    Attributes:
+        power: the exponent, a finite number >= 0.
+    """
+
+    power: float = eqx.field(default=1.0, static=True)
+
+    def __check_init__(self):
+        _check_power("steps_weighted_mean", self.power)
+
+    def __call__(self, rows, sent, steps):
+        w = _step_weights(sent, steps, self.power)
+        return Mean()(_scaled(rows, _weight_factors(sent, w)), sent, None)
+
+
+class RadialDirectional(Aggregator):
+    """Decoupled DiLoCo's radial-directional average: norms and directions merged
+    apart. Over the senders with weights `w_m = steps_m ** power` (normalised; equal
+    weights where `power = 0` or the steps are unknown):
+
+        r̄ = Σ w_m ‖x_m‖,   d̄ = Σ w_m x_m / ‖x_m‖,   result = r̄ · d̄ / ‖d̄‖
+
+    (a zero row has direction 0; a zero d̄ gives 0). Against the mean, the result
+    keeps the senders' mean length when their directions disagree, where the mean
+    shrinks. `x_m` is one piece of sender m's row (`scope = "piece"`, the default:
+    each parameter leaf, or the rows of a stacked leaf that the fragment holds, has
+    its own norm), or its row over all the fragment's pieces (`scope = "fragment"`).
+    A piece whose shape (without M) is in `plain_shapes` takes the weighted mean of
+    the senders instead, and is left out of the fragment's norm: Decoupled DiLoCo
+    averages the embeddings plainly, and an embedding is one whole leaf, so its
+    piece is the leaf's shape, e.g. `((vocab, d_model),)` (every piece of that
+    shape matches). A non-finite sender makes the result non-finite (the run's
+    `nonfinite` policy decides); nobody sending gives zeros.
+
+    Attributes:
+        power: the weights' exponent (0: equal; 1: token weighting).
+        plain_shapes: piece shapes that take the weighted mean.
+        scope: "piece" or "fragment": what one norm is taken over.
+    """
+
+    power: float = eqx.field(default=0.0, static=True)
+    plain_shapes: tuple[tuple[int, ...], ...] = eqx.field(default=(), static=True)
+    scope: str = eqx.field(default="piece", static=True)
+
+    def __check_init__(self):
+        _check_power("radial_directional", self.power)
+        if not all(_is_shape(s) for s in self.plain_shapes):
+            raise ValueError(
+                f"radial_directional plain_shapes={self.plain_shapes!r}; allowed: a "
+                "tuple of shapes, each a tuple of ints >= 0, e.g. ((50304, 512),)."
+            )
+        if self.scope not in SCOPES:
+            raise ValueError(
+                f"radial_directional scope={self.scope!r}; allowed: {SCOPES}."
+            )
+
+    def __call__(self, rows, sent, steps):
+        factor = _weight_factors(sent, _step_weights(sent, steps, self.power))
+        shapes = [tuple(r.shape[1:]) for r in rows]
+        plain = [k for k, shape in enumerate(shapes) if shape in self.plain_shapes]
+        radial = [k for k in range(len(rows)) if k not in plain]
+        groups = [[k] for k in radial] if self.scope == "piece" else [radial]
+        means = Mean()(_scaled([rows[k] for k in plain], factor), sent, None)
+        out = dict(zip(plain, means))
+        for group in filter(None, groups):
+            out.update(zip(group, _radial([rows[k] for k in group], sent, factor)))
+        return [out[k] for k in range(len(rows))]
+
+
+class Quorum(Aggregator):
+    """A minimum quorum: `inner`'s result where at least `k` replicas sent, and a
+    failed round where fewer (but some) did. Nobody sending gives zeros, as always.
+
+    A failed round is NaN in every element: the core then finds the outer gradient
+    not finite and, under the default `nonfinite="skip"`, takes no outer step and
+    restores θ_g where a replica merges, exactly as when nobody sends: θ_g, the outer
+    optimizer's state and the replicas are bitwise those of a round nobody sent;
+    the step's metrics report `sync/nonfinite` (and no `sync/applied`). Zeros would
+    not do: a fragment that somebody sent takes its outer step, and a zero outer
+    gradient still moves θ_g and the momentum (momentum decays and is applied). So
+    use it with `nonfinite="skip"`: "raise" stops the run at a missed quorum and
+    "apply" applies the NaN. The senders are counted as `sent` marks them (whether
+    their rows are finite or not: a robust `inner` may then drop some); `k` larger
+    than M never merges.
+
+    Attributes:
+        k: the least number of senders that merges, an int >= 1.
+        inner: the aggregator of a round that has its quorum.
+    """
+
+    k: int = eqx.field(static=True)
+    inner: Callable[..., list[Array]] = eqx.field(default=Mean(), static=True)
+
+    def __check_init__(self):
+        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
+            raise ValueError(f"quorum k={self.k!r}; allowed: an int >= 1.")
+        if not callable(self.inner):
+            raise ValueError(
+                f"quorum inner={self.inner!r}; allowed: an aggregator, e.g. mean()."
+            )
+
+    def __call__(self, rows, sent, steps):
+        merged = self.inner(rows, sent, steps)
+        n = jnp.sum(sent)
+        ok = (n >= self.k) | (n == 0)
+        return [jnp.where(ok, x, jnp.nan) for x in merged]
 
 
 class TrimmedMean(Aggregator):
@@ -201,6 +333,30 @@ def token_weighted_mean() -> TokenWeightedMean:
     return TokenWeightedMean()
 
 
+def steps_weighted_mean(power: float = 1.0) -> StepsWeightedMean:
+    """Each sender weighted by `steps ** power` (1: Decoupled DiLoCo's tokens² /
+    steps with equal batches, the token-weighted mean)."""
+    return StepsWeightedMean(power)
+
+
+def radial_directional(
+    power: float = 0.0,
+    *,
+    plain_shapes: Sequence[Sequence[int]] = (),
+    scope: str = "piece",
+) -> RadialDirectional:
+    """Decoupled DiLoCo's radial-directional average (the weighted mean norm times
+    the unit weighted-mean direction), the pieces shaped as in `plain_shapes` by the
+    weighted mean."""
+    return RadialDirectional(power, _as_shapes(plain_shapes), scope)
+
+
+def quorum(k: int, inner: Callable[..., list[Array]] = Mean()) -> Quorum:
+    """`inner`'s result where at least `k` replicas sent, else a failed round (no
+    outer step, as when nobody sends; use with `nonfinite="skip"`)."""
+    return Quorum(k, inner)
+
+
 def trimmed_mean(trim: float = 0.25) -> TrimmedMean:
     """The coordinate-wise mean without the `⌊trim·n⌋` extremes at each end."""
     return TrimmedMean(trim)
@@ -223,7 +379,8 @@ def check_aggregator(aggregator: Callable) -> None:
         raise ValueError(
             f"aggregator={aggregator!r} is not callable; allowed: "
             "sdiloco.aggregation.mean(), median(), trimmed_mean(...), "
-            "clipped_mean(...), token_weighted_mean() or a function "
+            "clipped_mean(...), token_weighted_mean(), steps_weighted_mean(...), "
+            "radial_directional(...), quorum(...) or a function "
             "(rows, sent, steps) -> list of arrays."
         )
 
@@ -233,6 +390,73 @@ def check_aggregator(aggregator: Callable) -> None:
 
 def _flat(x: Array) -> Array:
     return x.reshape(x.shape[0], -1)
+
+
+def _scaled(rows: list[Array], factor: Array) -> list[Array]:
+    """Each replica's row times its `[M]` factor."""
+    return [
+        r * factor.astype(r.dtype).reshape((-1,) + (1,) * (r.ndim - 1)) for r in rows
+    ]
+
+
+def _weight_factors(sent: Array, w: Array) -> Array:
+    """`[M]` factors `n·w_m / Σw` over the n senders (`w` 0 for the others; all 1
+    where Σw = 0): scaling the rows by them makes the mean over the senders the
+    weighted mean, and equal weights scale by exactly 1."""
+    total = jnp.sum(w)
+    n = jnp.sum(sent).astype(jnp.float32)
+    # positive weights here are >= 1 (steps ** power, steps >= 1), so the maximum
+    # only guards the division where Σw = 0
+    return jnp.where(total > 0, n * w / jnp.maximum(total, 1.0), 1.0)
+
+
+def _step_weights(sent: Array, steps: Array | None, power: float) -> Array:
+    """`[M]` float32 weights `steps ** power` of the senders (0 for the others);
+    1 for every sender where `power` is 0 or the steps are unknown."""
+    if steps is None or power == 0:
+        return sent.astype(jnp.float32)
+    s = steps.astype(jnp.float32)
+    # an integral power as repeated products (`** 1` is `s` exactly)
+    w = s ** int(power) if float(power).is_integer() else s**power
+    return jnp.where(sent, w, 0.0)
+
+
+def _radial(rows: list[Array], sent: Array, factor: Array) -> list[Array]:
+    """`r̄ · d̄ / ‖d̄‖` (`RadialDirectional`) with one norm over `rows`' pieces,
+    weighted by `factor` (`_weight_factors`)."""
+    norms = jnp.sqrt(sum(jnp.sum(_flat(r) ** 2, axis=1) for r in rows))
+    units = _scaled(rows, 1 / jnp.where(norms > 0, norms, 1))
+    (radius,) = Mean()(_scaled([norms], factor), sent, None)
+    direction = Mean()(_scaled(units, factor), sent, None)
+    length = jnp.sqrt(sum(jnp.sum(d**2) for d in direction))
+    scale = radius / jnp.where(length > 0, length, 1)
+    return [d * scale.astype(d.dtype) for d in direction]
+
+
+def _check_power(name: str, power: float) -> None:
+    """Raises ValueError naming `power` unless it is a finite number >= 0."""
+    if (
+        isinstance(power, bool)
+        or not isinstance(power, int | float)
+        or not (math.isfinite(power) and power >= 0)
+    ):
+        raise ValueError(f"{name} power={power!r}; allowed: a finite number >= 0.")
+
+
+def _is_shape(shape: object) -> bool:
+    """Whether `shape` is a tuple of ints >= 0."""
+    return isinstance(shape, tuple) and all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+    )
+
+
+def _as_shapes(shapes: Any) -> Any:
+    """`shapes` as a tuple of tuples of ints where it is a sequence of sequences of
+    integers (else as given, for `RadialDirectional`'s check to name)."""
+    try:
+        return tuple(tuple(operator.index(d) for d in s) for s in shapes)
+    except TypeError:
+        return shapes
 
 
 def _finite_rows(rows: list[Array]) -> Bool[Array, " M"]:
