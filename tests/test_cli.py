@@ -170,8 +170,24 @@ def test_the_readme_default_run_checkpoints_and_resumes(monkeypatch, tmp_path, c
             "compressor='int2,ef' with quantizer='e2m1'",
         ),
         (["--preset", "diloco", "--merge", "eager"], "no field 'merge'"),
+        (
+            ["--preset", "decoupled", "--replicas", "2", "--quorum", "3"],
+            "DecoupledAggregator.k=3 (the minimum quorum K) with num_replicas=2; "
+            "allowed: an int in [1, 2], or None for ⌈M/2⌉ = 1.",
+        ),
+        (["--quorum", "2"], "quorum=2 with preset 'streaming_overlap_fp4'"),
     ],
-    ids=["inner", "outer", "warmup", "compressor", "merge", "both", "diloco-merge"],
+    ids=[
+        "inner",
+        "outer",
+        "warmup",
+        "compressor",
+        "merge",
+        "both",
+        "diloco-merge",
+        "quorum-above-M",
+        "quorum-elsewhere",
+    ],
 )
 def test_bad_optimizer_compressor_or_merge_is_one_line_and_exit_2(flags, field, capsys):
     from sdiloco.lab.cli import main
@@ -234,8 +250,13 @@ def _config_of(flags, monkeypatch, tmp_path):
             ["--outer-momentum", "0.8", "--outer-momentum-warmup", "5"],
             {"outer.momentum": 0.8, "outer.momentum_warmup": 5},
         ),
+        (
+            ["--preset", "decoupled", "--replicas", "4", "--batch-size", "8"]
+            + ["--quorum", "3", "--alpha", "0"],
+            {"aggregator.k": 3, "alpha": 0.0, "num_replicas": 4, "quantizer": "e3m0"},
+        ),
     ],
-    ids=["muloco", "flags", "quantizer-replaces", "warmup"],
+    ids=["muloco", "flags", "quantizer-replaces", "warmup", "decoupled"],
 )
 def test_optimizer_compressor_and_merge_flags_reach_the_config(
     flags, expect, monkeypatch, tmp_path
@@ -260,6 +281,35 @@ def test_the_new_presets_train_from_the_cli(preset, tmp_path):
     assert proc.returncode == 0, proc.stderr
     loss = json.loads(proc.stdout)["evals"][-1]["eval/global"]
     assert 0 < loss < 6  # below ~ln(256) + noise: trained, finite
+
+
+def test_a_bad_quorum_is_refused_before_any_compute(tmp_path, capsys):
+    from sdiloco.lab.cli import main
+
+    out = tmp_path / "out"
+    flags = ["--preset", "decoupled", "--replicas", "4", "--quorum", "5"]
+    assert main(["train", *flags, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "DecoupledAggregator.k=5" in err, err
+    assert "allowed: an int in [1, 4]" in err
+    assert not out.exists()
+
+
+@pytest.mark.integration
+def test_the_decoupled_preset_trains_from_the_cli(tmp_path):
+    # M = 4 with a quorum of 3 (every round merges: nobody fails) and adoption by
+    # overwrite (α = 0); the α-blend default trains in test_config.
+    proc = _cli(
+        ["train", "--preset", "decoupled", "--model", "tiny-xxs", "--steps", "8"]
+        + ["--replicas", "4", "--quorum", "3", "--alpha", "0", "--sync-every", "4"]
+        + ["--eval-windows", "8", "--no-progress", "--out", str(tmp_path / "out")],
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    loss = json.loads(proc.stdout)["evals"][-1]["eval/global"]
+    assert 0 < loss < 6  # below ~ln(256) + noise: trained, finite
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["method"]["aggregator"]["args"]["k"] == 3
 
 
 # A user's second hour: each defect as the user sees it (exit code, stderr lines).
@@ -433,4 +483,6 @@ def test_help_groups_the_island_flags_and_names_every_method(capsys):
     elastic = text[text.index("the elastic job (Ray)") :]
     assert "--address ADDRESS" in elastic and "--min-step-s" in elastic
     preset = " ".join(text[text.rindex("--preset PRESET") :].split()[:40])
-    assert "the paper's" in preset and "muloco, sparseloco, eager" in preset
+    assert "the paper's" in preset
+    assert "muloco, sparseloco, eager, decoupled" in preset
+    assert "--quorum K" in text

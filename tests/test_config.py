@@ -115,6 +115,44 @@ def test_replace_switches_the_method_keeping_shared_fields():
         ),
         (lambda: config_lib.Regime(0.0), "Regime.tokens_per_param=0.0"),
         (lambda: config_lib.Regime(20.0, 0), "Regime.rounds=0"),
+        (
+            lambda: config_lib.preset("decoupled", quorum=3),
+            r"DecoupledAggregator.k=3 \(the minimum quorum K\) with num_replicas=2; "
+            r"allowed: an int in \[1, 2\], or None for ⌈M/2⌉ = 1\.$",
+        ),
+        (
+            lambda: config_lib.preset(
+                "decoupled", quorum=5, method={"num_replicas": 4}
+            ),
+            r"DecoupledAggregator.k=5 .* allowed: an int in \[1, 4\]",
+        ),
+        (
+            lambda: config_lib.preset("decoupled", quorum=0),
+            "DecoupledAggregator.k=0; allowed: an int >= 1",
+        ),
+        (
+            lambda: config_lib.DecoupledAggregator().for_model(object()),
+            "DecoupledAggregator: object has no `embedding` leaf",
+        ),
+        (  # before `StreamingConfig.build` has read the model
+            lambda: config_lib.DecoupledAggregator().resolve(2),
+            "DecoupledAggregator.plain_shapes=None",
+        ),
+        (  # a later change of M below an explicit K: refused where it aggregates
+            lambda: config_lib.DecoupledAggregator(3, plain_shapes=((4, 4),)).resolve(
+                2
+            ),
+            r"DecoupledAggregator.k=3 .* with num_replicas=2",
+        ),
+        (
+            lambda: config_lib.preset("eager", quorum=2),
+            "quorum=2 with preset 'eager'; allowed: preset 'decoupled'",
+        ),
+        (
+            lambda: config_lib.preset("decoupled", method={"nonfinite": "raise"}),
+            "StreamingConfig.nonfinite='raise' with a DecoupledAggregator; allowed: "
+            "'skip'",
+        ),
     ],
 )
 def test_bad_fields_are_named(build, field):
@@ -484,7 +522,7 @@ def test_compressor_spec_and_merge_reach_the_algorithm():
         assert all(x.shape[0] == method.num_replicas for x in stand_ins)
 
 
-@pytest.mark.parametrize("name", ["muloco", "sparseloco", "eager"])
+@pytest.mark.parametrize("name", ["muloco", "sparseloco", "eager", "decoupled"])
 def test_new_presets_change_only_what_their_method_changes(name):
     # Each is the paper's final method (its tuned values included) but for what the
     # method itself changes.
@@ -498,6 +536,8 @@ def test_new_presets_change_only_what_their_method_changes(name):
             "method.outer.momentum",
         },
         "eager": {"method.merge"},
+        # with k and plain_shapes null: read off the run (M, the model) when built
+        "decoupled": {"method.aggregator.object", "method.aggregator.args.power"},
     }[name]
     for model in ("tiny-xxs", "tiny-s", "tiny-m"):
         new = _flat(config_lib.preset(name, model=model).replace(name="x").to_dict())
@@ -542,7 +582,7 @@ def test_new_fields_at_their_default_leave_the_json_and_records_as_they_were():
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("name", ["muloco", "sparseloco", "eager"])
+@pytest.mark.parametrize("name", ["muloco", "sparseloco", "eager", "decoupled"])
 @jax.numpy_dtype_promotion("standard")  # optax's Adam and Muon: `b1 ** count`
 def test_the_new_presets_train_from_python(name):
     from sdiloco.lab import train
@@ -552,3 +592,82 @@ def test_the_new_presets_train_from_python(name):
     )
     loss = train.run(c, progress=False).evals[-1]["eval/global"]
     assert 0 < loss < 6  # finite, about ln(256) or below
+
+
+# ------------------------------------------------------ the decoupled preset (issue 71)
+
+
+def _decoupled_aggregator(config):
+    """The aggregator the config's algorithm runs, and the lab model's config."""
+    mc = config.model_config()
+    model = model_lib.Transformer(mc, key=jr.key(0))
+    alg = config.method.build(model_lib.loss_fn, optax.sgd(0.1), model)
+    return alg.spec.aggregator, mc
+
+
+@pytest.mark.parametrize(
+    "changes, k",
+    [
+        ({"model": "tiny-xxs"}, 1),
+        ({"model": "tiny-xs", "method": {"num_replicas": 4}}, 2),
+        ({"model": "tiny-xxs", "vocab_size": 300, "method": {"num_replicas": 5}}, 3),
+        ({"model": "tiny-xxs", "quorum": 4, "method": {"num_replicas": 4}}, 4),
+    ],
+    ids=["M=2", "tiny-xs M=4", "vocab M=5", "K=M"],
+)
+def test_decoupled_is_a_quorum_of_the_radial_directional_mean_of_the_model(changes, k):
+    m = changes.get("method", {}).get("num_replicas", 2)
+    c = config_lib.preset("decoupled", data={"global_batch_size": 4 * m}, **changes)
+    assert (c.method.overlap, c.method.alpha, c.method.quantizer) == (1, 0.5, "e3m0")
+    aggregator, mc = _decoupled_aggregator(c)
+    embedding = (mc.vocab_size, mc.width)  # the tied head is the same leaf
+    expect = sdiloco.aggregation.quorum(
+        k, sdiloco.aggregation.radial_directional(1.0, plain_shapes=[embedding])
+    )
+    assert aggregator.resolve(m) == expect
+    # In numbers: the embedding by the steps-weighted mean, the rest radially;
+    # fewer than K senders (but some) fail the round: NaN, a skipped round.
+    rows = [jr.normal(jr.key(1), (m, *embedding)), jr.normal(jr.key(2), (m, 3, 4))]
+    steps = jnp.arange(1, m + 1, dtype=jnp.int32)
+    everyone, short = jnp.ones(m, bool), jnp.arange(m) < k - 1
+    for sent in (everyone, short):
+        got, want = aggregator(rows, sent, steps), expect(rows, sent, steps)
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    missed = aggregator(rows, short, steps)[0]
+    assert bool(jnp.all(jnp.isnan(missed))) == (k > 1)
+    got = aggregator(rows, everyone, steps)
+    weighted = sdiloco.aggregation.steps_weighted_mean(1.0)(rows, everyone, steps)
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(weighted[0]), rtol=1e-6)
+    assert not np.allclose(np.asarray(got[1]), np.asarray(weighted[1]))
+
+
+def test_decoupled_follows_a_later_model_and_m_and_round_trips():
+    # Built at tiny-xxs with M = 2, then changed as a notebook's `setup` would.
+    c = config_lib.preset("decoupled", model="tiny-xxs").replace(
+        model="tiny-xs", method={"num_replicas": 4}, data={"global_batch_size": 8}
+    )
+    aggregator, mc = _decoupled_aggregator(c)
+    assert aggregator.resolve(4) == sdiloco.aggregation.quorum(
+        2, sdiloco.aggregation.radial_directional(1.0, plain_shapes=[(256, 32)])
+    )
+    assert mc.width == 32
+    # config.json records the unresolved aggregator (K and shape are the run's).
+    for config in (
+        c,
+        config_lib.preset("decoupled", quorum=3, method={"num_replicas": 4}),
+    ):
+        text = config.to_json()
+        assert config_lib.RunConfig.from_json(text) == config
+        assert config_lib.RunConfig.from_json(text).to_json() == text
+        recorded = json.loads(text)["method"]["aggregator"]
+        assert recorded["object"] == "sdiloco.lab.methods.DecoupledAggregator"
+        assert recorded["args"]["k"] == config.method.aggregator.k
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.5])
+def test_decoupled_adopts_by_overwrite_or_by_the_alpha_blend(alpha):
+    c = config_lib.preset("decoupled", model="tiny-xxs", method={"alpha": alpha})
+    model = model_lib.Transformer(c.model_config(), key=jr.key(0))
+    alg = c.method.build(model_lib.loss_fn, optax.sgd(0.1), model)
+    assert alg.spec.plugin.plugins == (sdiloco.alpha_merge(alpha),)

@@ -339,6 +339,7 @@ def _changes(args: argparse.Namespace) -> dict:
         seed=args.seed,
         checkpoint_every=args.checkpoint_every,
         eval_windows=args.eval_windows,
+        quorum=args.quorum,
     )
     data = _given(
         global_batch_size=args.batch_size,
@@ -409,7 +410,9 @@ def _add_method_flags(t: Any) -> None:
         "--overlap", type=int, help=f"tau (default {method.overlap}; 0 without overlap)"
     )
     t.add_argument(
-        "--alpha", type=float, help=f"mixing factor (default {method.alpha})"
+        "--alpha",
+        type=float,
+        help=f"mixing factor (default {method.alpha}; 0: each replica takes θ_g)",
     )
     t.add_argument(
         "--quantizer",
@@ -426,6 +429,13 @@ def _add_method_flags(t: Any) -> None:
         "--merge",
         help=f"merge policy: {' or '.join(MERGES)} (default alpha, the paper's; "
         "eager: each replica's own outer step during the overlap)",
+    )
+    t.add_argument(
+        "--quorum",
+        type=int,
+        metavar="K",
+        help="--preset decoupled: the minimum quorum, senders a round needs to "
+        "merge, 1..M (default ⌈M/2⌉)",
     )
 
 

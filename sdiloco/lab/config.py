@@ -34,11 +34,13 @@ from .methods import (
     METHODS as METHODS,
     SPARSIFIERS as SPARSIFIERS,
     DataParallelConfig as DataParallelConfig,
+    DecoupledAggregator as DecoupledAggregator,
     DiLoCoConfig as DiLoCoConfig,
     MethodConfig as MethodConfig,
     OuterConfig as OuterConfig,
     StreamingConfig as StreamingConfig,
     method_from_dict as method_from_dict,
+    quorum_size,
     replace_method as replace_method,
 )
 
@@ -493,6 +495,46 @@ def eager_preset(sync_every: int = 100, **changes: Any) -> RunConfig:
     return _make("eager", method, changes)
 
 
+def decoupled_preset(
+    sync_every: int = 100, quorum: int | None = None, **changes: Any
+) -> RunConfig:
+    """Decoupled DiLoCo's aggregation (arXiv 2604.21428, as secondary sources report
+    it) on the paper's final method (`streaming_overlap_fp4`: H = 100, τ = 1,
+    α = 0.5, E3M0 outer gradients, outer Nesterov): a fragment's round merges only
+    with a minimum quorum of K senders, and then by the radial-directional average
+    weighted by steps (tokens² / steps with equal batches), the embedding by the
+    weighted mean: `DecoupledAggregator(quorum)`, i.e. `quorum(K,
+    radial_directional(1.0, plain_shapes=(embedding shape,)))`.
+
+    - K: `quorum`, or ⌈M/2⌉ (None, the default; `DecoupledAggregator` says why).
+    - The embedding's shape: `[vocab_size, width]` of the run's model, read off it
+      when the method is built; the lab Transformer's head is the same (tied) leaf.
+      Both follow the final model and M, however they were changed.
+    - Adoption: by the α-blend (`alpha=0.5`, the default), or by overwrite with
+      `method={"alpha": 0.0}` (`--alpha 0`: each replica takes θ_g).
+
+    Only the aggregation is Decoupled DiLoCo's: the learners still take in each
+    round at its step (no adaptive grace window, no learner that never blocks).
+    Its goodput and loss are not measured yet (the `decoupled_goodput` notebook).
+
+    Raises:
+        ValueError: on `quorum` not an int in [1, M] (naming it, M and what is
+            allowed), before anything is built.
+    """
+    method = StreamingConfig(
+        sync_every=sync_every,
+        overlap=1,
+        alpha=0.5,
+        quantizer="e3m0",
+        aggregator=DecoupledAggregator(quorum),
+    )
+    config = _make("decoupled", method, changes)
+    aggregator = getattr(config.method, "aggregator", None)  # a method switched
+    if isinstance(aggregator, DecoupledAggregator):
+        quorum_size(aggregator.k, config.method.num_replicas)
+    return config
+
+
 PRESETS: dict[str, Callable[..., RunConfig]] = {
     "data_parallel": data_parallel_preset,
     "diloco": diloco_preset,
@@ -502,6 +544,7 @@ PRESETS: dict[str, Callable[..., RunConfig]] = {
     "muloco": muloco_preset,
     "sparseloco": sparseloco_preset,
     "eager": eager_preset,
+    "decoupled": decoupled_preset,
 }
 """The paper's method names and the methods after it → preset functions. The default
 preset is "streaming_overlap_fp4" ("Streaming DiLoCo with overlapped FP4
@@ -511,6 +554,7 @@ DERIVED: dict[str, tuple[str, tuple[str, ...]]] = {
     "muloco": ("streaming_overlap_fp4", ()),
     "sparseloco": ("streaming_overlap_fp4", ("method.outer",)),
     "eager": ("streaming_overlap_fp4", ()),
+    "decoupled": ("streaming_overlap_fp4", ()),
 }
 """A method built on another preset → (that preset, the config paths the method sets
 itself). Where the method has no tuned values of its own, `preset` starts it from its
@@ -528,6 +572,11 @@ def preset(name: str, *, tuned: bool = True, **changes: Any) -> RunConfig:
     """
     if name not in PRESETS:
         raise ValueError(f"preset={name!r}; allowed: {sorted(PRESETS)}.")
+    if "quorum" in changes and name != "decoupled":
+        raise ValueError(
+            f"quorum={changes['quorum']!r} with preset {name!r}; allowed: preset "
+            "'decoupled' (its minimum quorum K)."
+        )
     if "sync_every" in changes and name == "data_parallel":
         raise ValueError(
             f"sync_every={changes['sync_every']!r} with preset 'data_parallel'; "

@@ -5,16 +5,24 @@
 * `StreamingConfig` builds `sdiloco.streaming_diloco` (fragments, overlap,
   compression).
 
+`DecoupledAggregator` is Decoupled DiLoCo's aggregation as a `StreamingConfig` holds
+it: a quorum around the radial-directional average whose K and embedding shape are
+read from the run when it is built, not written in the config.
+
 Each names itself by a `kind` ("data_parallel", "diloco", "streaming"), which is how
 its JSON says which method it is.
 """
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+import equinox as eqx
 import optax
+from jaxtyping import Array, Bool, Int
 
+from ..aggregation import Quorum, quorum, radial_directional
 from ..base import Algorithm
 from ..compression import (
     FORMATS,
@@ -117,6 +125,117 @@ class OuterConfig:
         return optax.inject_hyperparams(optax.sgd, static_args=("nesterov",))(
             learning_rate=self.lr, momentum=momentum, nesterov=self.nesterov
         )
+
+
+class DecoupledAggregator(eqx.Module):
+    """Decoupled DiLoCo's aggregation (arXiv 2604.21428) with K and the embedding's
+    shape taken from the run: `quorum(K, radial_directional(power, plain_shapes=
+    plain_shapes))` (`sdiloco.aggregation`), resolved each time it aggregates.
+
+    - K is `k`, or ⌈M/2⌉ where `k` is None (the default), M the rows it receives:
+      the run's replicas in the simulation and on a mesh, and every island's on an
+      elastic island (built with `num_replicas=1`, it receives a row per island).
+      ⌈M/2⌉: a round merges once at least half of the learners' work is in, so a
+      few fast learners do not steer θ_g alone while the rest are down or late,
+      and one missing learner does not cost the round (K = M would skip every
+      round anyone misses; K = 1 merges whatever came first). It is the middle of
+      the issue's ablation K ∈ {1, M/2, M}, which the chaos simulator compares
+      too (`sdiloco.sim.goodput.standard_policies`). At M = 2 it is 1: no
+      quorum, as today.
+    - `plain_shapes` None is the model's embedding's, filled in by
+      `StreamingConfig.build` (`for_model`): the `[vocab_size, width]` leaf
+      `embedding` of the lab Transformer (`RunConfig.model_config()`, with
+      `vocab_size` if set). Its output head is that same leaf (tied), so the head
+      is averaged plainly with it, once; any other piece of that shape would be
+      too, and none of the Transformer's is (a block's pieces keep their layer
+      axis).
+
+    So a config holding it follows a later change of the model or of M. A round with
+    fewer than K senders is non-finite, which `nonfinite="skip"` (required by
+    `StreamingConfig`) turns into a round nobody sent.
+
+    Attributes:
+        k: the minimum quorum, an int >= 1, or None for ⌈M/2⌉ (`quorum_size`).
+        power: the weights' exponent (1: tokens² / steps with equal batches).
+        plain_shapes: the piece shapes averaged plainly; None: the embedding's.
+    """
+
+    k: int | None = eqx.field(default=None, static=True)
+    power: float = eqx.field(default=1.0, static=True)
+    plain_shapes: tuple[tuple[int, ...], ...] | None = eqx.field(
+        default=None, static=True
+    )
+
+    def __check_init__(self):
+        if self.k is not None and (
+            isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1
+        ):
+            raise ValueError(
+                f"DecoupledAggregator.k={self.k!r}; allowed: an int >= 1, or None "
+                "for ⌈M/2⌉."
+            )
+        try:
+            radial_directional(self.power, plain_shapes=self.plain_shapes or ())
+        except ValueError as e:
+            raise ValueError(f"DecoupledAggregator: {e}") from None
+
+    def for_model(self, model: Any) -> "DecoupledAggregator":
+        """This aggregator with `plain_shapes` the shape of `model.embedding`
+        (kept where given).
+
+        Raises:
+            ValueError: if `model` has no `embedding` leaf (not the lab Transformer).
+        """
+        if self.plain_shapes is not None:
+            return self
+        embedding: Any = getattr(model, "embedding", None)
+        if not hasattr(embedding, "shape"):
+            raise ValueError(
+                f"DecoupledAggregator: {type(model).__name__} has no `embedding` "
+                "leaf; allowed: the lab Transformer, or give plain_shapes."
+            )
+        shape = tuple(int(d) for d in embedding.shape)
+        return DecoupledAggregator(self.k, self.power, (shape,))
+
+    def resolve(self, num_replicas: int) -> Quorum:
+        """The core aggregator for rows of `num_replicas` replicas.
+
+        Raises:
+            ValueError: on `k > num_replicas`, or before `for_model`.
+        """
+        k = quorum_size(self.k, num_replicas)
+        if self.plain_shapes is None:
+            raise ValueError(
+                "DecoupledAggregator.plain_shapes=None: the embedding's shape is "
+                "not known yet; allowed: StreamingConfig.build, which reads it off "
+                "the model (for_model)."
+            )
+        return quorum(k, radial_directional(self.power, plain_shapes=self.plain_shapes))
+
+    def __call__(
+        self,
+        rows: list[Array],
+        sent: Bool[Array, " M"],
+        steps: Int[Array, " M"] | None,
+    ) -> list[Array]:
+        return self.resolve(sent.shape[0])(rows, sent, steps)
+
+
+def quorum_size(k: int | None, num_replicas: int) -> int:
+    """K of `DecoupledAggregator`: `k`, or ⌈M/2⌉ where it is None.
+
+    Raises:
+        ValueError: naming `k`, M and what is allowed, where `k > M` (that quorum
+            never merges).
+    """
+    default = math.ceil(num_replicas / 2)
+    if k is not None and k > num_replicas:
+        raise ValueError(
+            f"DecoupledAggregator.k={k} (the minimum quorum K) with num_replicas="
+            f"{num_replicas}; allowed: an int in [1, {num_replicas}], or None for "
+            f"⌈M/2⌉ = {default}."
+        )
+    return default if k is None else k
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,7 +350,8 @@ class StreamingConfig:
     (leave those at their defaults)."""
     aggregator: Any = fields.object_field(None)
     """How the senders' outer gradients become one, as an object
-    (`sdiloco.aggregation`, e.g. `median()`); None: the plain mean."""
+    (`sdiloco.aggregation`, e.g. `median()`, or a `DecoupledAggregator`, resolved
+    against the model in `build`); None: the plain mean."""
 
     def __post_init__(self):
         if isinstance(self.overlap, list):
@@ -297,6 +417,15 @@ class StreamingConfig:
                 f"{self.merge!r}, alpha={self.alpha!r}; allowed: one merge (leave "
                 "merge and alpha at their defaults)."
             )
+        if (
+            isinstance(self.aggregator, DecoupledAggregator)
+            and self.nonfinite != "skip"
+        ):
+            raise ValueError(
+                f"StreamingConfig.nonfinite={self.nonfinite!r} with a "
+                "DecoupledAggregator; allowed: 'skip' (a missed quorum is a "
+                "non-finite round, which 'skip' leaves as a round nobody sent)."
+            )
         if self.merge != "alpha" and self.alpha != 0.5:
             raise ValueError(
                 f"StreamingConfig.alpha={self.alpha!r} with merge={self.merge!r}, "
@@ -324,9 +453,14 @@ class StreamingConfig:
             return None
         return self.alpha if self.merge == "alpha" else None
 
-    def _aggregator(self) -> dict[str, Any]:
-        """`aggregator=` for `streaming_diloco` (nothing: its default mean)."""
-        return {} if self.aggregator is None else {"aggregator": self.aggregator}
+    def _aggregator(self, model: Any = None) -> dict[str, Any]:
+        """`aggregator=` for `streaming_diloco` (nothing: its default mean); a
+        `DecoupledAggregator` reads its embedding's shape off `model` where given."""
+        if self.aggregator is None:
+            return {}
+        if model is not None and isinstance(self.aggregator, DecoupledAggregator):
+            return {"aggregator": self.aggregator.for_model(model)}
+        return {"aggregator": self.aggregator}
 
     def build_plugins(self) -> tuple[Plugin, ...]:
         """The plug-ins this config describes: error feedback (the flag, or a
@@ -426,7 +560,7 @@ class StreamingConfig:
             compressor=self.build_compressor(),
             plugins=self.build_plugins(),
             nonfinite=self.nonfinite,
-            **self._aggregator(),
+            **self._aggregator(model),
             **kwargs,
         )
         return offload_state(alg) if offload else alg
