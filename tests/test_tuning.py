@@ -663,3 +663,28 @@ def test_seed_noise_is_the_pooled_deviation_of_the_paired_gaps(gaps, tuned):
     assert tuning.seed_noise([sweep]) == pytest.approx(ref, rel=1e-9, abs=1e-15)
     with pytest.raises(ValueError, match="two or more seeds"):
         tuning.seed_noise([tuning.Sensitivity({}, [1.0], {"inner.lr": {1: [1.0]}})])
+
+
+def test_tune_warmup_sweeps_from_the_settings_it_is_given(monkeypatch):
+    """`tune_warmup(at=...)`: the warmup is swept from those settings (e.g. a batch
+    the noise rule chose), the others at their tuned values, with the rule passed on."""
+    seen, done = {}, object.__new__(tuning.Search)  # a search, without training
+
+    def search(base, axes, **kwargs):
+        seen.update(base=base, axes=axes, **kwargs)
+        return done
+
+    monkeypatch.setattr(tuning, "coordinate_search", search)
+    out = tuning.tune_warmup(
+        "streaming_overlap_fp4",
+        "tiny-xs",
+        regime=tuning.Regime(20.0, 50),
+        confirm=tuning.CONFIRM,
+        at={"data.global_batch_size": 8},
+    )
+    tuned = config_lib.preset("streaming_overlap_fp4", model="tiny-xs")
+    assert out is done and seen["confirm"] is tuning.CONFIRM
+    assert seen["base"].data.global_batch_size == 8 != tuned.data.global_batch_size
+    assert seen["base"].inner.lr == tuned.inner.lr
+    assert seen["base"].data.validation
+    assert [a.field for a in seen["axes"]] == [tuning.WARMUP.field]

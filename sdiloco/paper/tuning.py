@@ -506,13 +506,18 @@ def tune_warmup(
     seeds: Sequence[int] = (0,),
     axis: Axis = WARMUP,
     confirm: Confirm | None = None,
+    at: Mapping[str, Any] | None = None,
 ) -> Search:
     """The warmup swept for one method and size, the other settings at their tuned
     values (`config.TUNED`, without a tuned warmup): the protocol's last axis, on the
     validation split, the same grid (`WARMUP`) and budget for every method. The
     published warmup is kept within `TIE` of the best; with `confirm` (`CONFIRM`)
-    the noise rule decides a near-tie on more seeds."""
+    the noise rule decides a near-tie on more seeds. `at` (dotted field → value)
+    sweeps it from other settings than the tuned ones (e.g. a batch the noise rule
+    chose)."""
     base = make_preset(preset, model=model, data={"validation": True})
+    for field, value in (at or {}).items():
+        base = set_field(base, field, value)
     base = base.replace(inner={"warmup_fraction": None})
     return coordinate_search(
         regime.apply(base),
