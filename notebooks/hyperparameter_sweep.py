@@ -86,19 +86,25 @@ def axes(preset):
     return tuple(tuning.Axis(a.field, a.values[1:3]) for a in full if a.field == one)
 
 
+def search_all(sizes, confirm=None):
+    """The protocol for every method at each size: (size, method name) → Search."""
+    return {
+        (size, name): tuning.tune(
+            preset,
+            size,
+            regime=regime_of(size),
+            seeds=SEEDS,
+            axes=axes(preset),
+            confirm=confirm,
+        )
+        for size in sizes
+        for name, preset in tuning.PRESETS.items()
+    }
+
+
 # %%
 ex.enable_compile_cache()
-searches = {
-    (size, name): tuning.tune(
-        preset,
-        size,
-        regime=regime_of(size),
-        seeds=SEEDS,
-        axes=axes(preset),
-    )
-    for size in SIZES
-    for name, preset in tuning.PRESETS.items()
-}
+searches = search_all(SIZES)
 if not FAST:  # the presets' defaults for these sizes (`config.TUNED`)
     tuning.save_tuned(searches)
 
@@ -572,18 +578,7 @@ print(plotting.markdown_table(warmup_rows))
 
 # %%
 CONFIRMED_SIZES = () if FAST else ("tiny-xs",)
-confirmed = {
-    (size, name): tuning.tune(
-        preset,
-        size,
-        regime=regime_of(size),
-        seeds=SEEDS,
-        axes=axes(preset),
-        confirm=tuning.CONFIRM,
-    )
-    for size in CONFIRMED_SIZES
-    for name, preset in tuning.PRESETS.items()
-}
+confirmed = search_all(CONFIRMED_SIZES, confirm=tuning.CONFIRM)
 confirmed_warmups = {
     (size, name): tuning.tune_warmup(
         preset, size, regime=ex.REGIME, axis=warmup_axis, confirm=tuning.CONFIRM
