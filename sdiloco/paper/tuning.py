@@ -615,9 +615,7 @@ def save_tuned(
         "sdiloco.paper.tuning via notebooks/hyperparameter_sweep: coordinate search "
         "on the validation split at 20 tokens per parameter and 50 outer rounds, one "
         "seed per trial (the warmup fraction swept last, from the others' choices, "
-        "scored on every validation window); at tiny-xs, near-ties within the seed "
-        "noise decided on three seeds (tuning.CONFIRM); records in "
-        "paper_figures/runs/."
+        "scored on every validation window); records in paper_figures/runs/."
     )
     target.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
     return table
