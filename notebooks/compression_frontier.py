@@ -73,12 +73,8 @@ def swept(recipe):
 
 
 # %%
-# The noise rule (`tuning.CONFIRM`): a choice whose best values are closer than the
-# seed noise (0.6 %) is taken on three validation seeds (FAST mode: one seed).
-CONFIRM = None if plotting.FAST else tuning.CONFIRM
 searches = {
-    r: frontier.tune(r, MODEL, regime=ex.REGIME, swept=swept(r), confirm=CONFIRM)
-    for r in RECIPES
+    r: frontier.tune(r, MODEL, regime=ex.REGIME, swept=swept(r)) for r in RECIPES
 }
 configs, baselines = {}, {}
 for m in REPLICAS:
@@ -88,7 +84,7 @@ for m in REPLICAS:
             r, searches[r], model=MODEL, regime=ex.REGIME, num_replicas=m
         )
 if MUON:
-    muon_search = frontier.tune_muon_baseline(MODEL, regime=ex.REGIME, confirm=CONFIRM)
+    muon_search = frontier.tune_muon_baseline(MODEL, regime=ex.REGIME)
     for m in REPLICAS:
         baselines[f"M={m}|Muon"] = frontier.muon_baseline(
             muon_search, m, model=MODEL, regime=ex.REGIME
@@ -429,19 +425,10 @@ if CHECKED:
 
 # %%
 def margin(search, field):
-    """`(chosen, runner-up, relative validation gap, seeds, one seed's choice)` of
-    one axis of a search: on every seed among the contenders where the noise rule
-    took the choice to more seeds, else on seed 0 among every value tried."""
-    chosen = tuning.get_field(search.best, field)
-    rule = next((c for c in search.confirmed if c.field == field), None)
-    if rule is None:
-        done = {t.value: t.mean for t in search.trials if t.axis == field}
-        seeds, first = 1, chosen
-    else:
-        done = {v: float(np.mean(losses)) for v, losses in rule.contenders.items()}
-        seeds, first = len(rule.contenders[chosen]), rule.first
-    second = min((v for v in done if v != chosen), key=done.get)
-    return chosen, second, (done[second] - done[chosen]) / done[chosen], seeds, first
+    """`(best, runner-up, relative validation gap)` of one axis of a search."""
+    done = {t.value: t.mean for t in search.trials if t.axis == field}
+    best, second = sorted(done, key=done.get)[:2]
+    return best, second, (done[second] - done[best]) / done[best]
 
 
 choice_rows = []
@@ -449,16 +436,14 @@ for r in RECIPES:
     stats_r = ex.describe(ex.finals(results, f"M={REPLICAS[0]}|{r}"))
     spread = stats_r["std"] / stats_r["mean"] if stats_r["n"] > 1 else None
     for axis in swept(r):
-        best, second, gap, n, first = margin(searches[r], axis.field)
+        best, second, gap = margin(searches[r], axis.field)
         choice_rows.append(
             {
                 "recipe": r,
                 "axis": axis.field,
                 "chosen": best,
                 "runner-up": second,
-                "validation gap": f"{100 * gap:.2f} %",
-                "seeds": n,
-                "one seed chose": first,
+                "validation gap (one seed)": f"{100 * gap:.2f} %",
                 f"held-out seed spread (std, M = {REPLICAS[0]})": "(one seed)"
                 if spread is None
                 else f"{100 * spread:.2f} %",
@@ -470,14 +455,10 @@ for r in RECIPES:
 plotting.save_table(
     choice_rows,
     f"{NOTEBOOK}_choices",
-    title="The tuning's choices: by how much each won, on one or three validation seeds",
+    title="The tuning's choices: by how much each won, on one validation seed",
     notes=(
         "Validation gap: the runner-up's validation loss over the chosen value's, "
-        "minus 1 (M = 2, the other axis at its value at the time), on seed 0, or, "
-        "where the best values were within the seed noise of each other "
-        f"({tuning.NOISE:.1%}, the noise rule `tuning.CONFIRM`), on the mean over "
-        "seeds 0-2 among those values (seeds: 3; 'one seed chose' is what seed 0 "
-        "alone had chosen). Seed "
+        "minus 1 (seed 0, M = 2, the other axis at its value at the time). Seed "
         "spread: the standard deviation of the recipe's held-out loss over the seeds "
         "at the chosen values, over its mean (the spread of one setting's loss; the "
         "spread of the difference between two settings is measured only where both "
