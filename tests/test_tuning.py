@@ -688,3 +688,29 @@ def test_tune_warmup_sweeps_from_the_settings_it_is_given(monkeypatch):
     assert seen["base"].inner.lr == tuned.inner.lr
     assert seen["base"].data.validation
     assert [a.field for a in seen["axes"]] == [tuning.WARMUP.field]
+
+
+def test_after_an_extension_every_value_is_compared_on_the_same_seeds():
+    """A confirmed value's three-seed mean is never ranked against another's seed-0
+    loss: 0.4 wins a near-tie on three seeds (mean 1.000), the edge extends to 0.2
+    (seed 0: 1.003), which is alone within the noise; the decision then compares
+    seed 0 (0.2's 1.003 against 0.4's 1.010) and takes 0.2."""
+    losses = {
+        (0.4, 0): 1.010, (0.4, 1): 0.995, (0.4, 2): 0.995,
+        (0.6, 0): 1.009, (0.6, 1): 1.009, (0.6, 2): 1.009,
+        (0.2, 0): 1.003,
+    }  # fmt: skip
+
+    def loss(name, config, seed):
+        return losses[(round(config.method.outer.lr, 6), seed)]
+
+    axis = tuning.Axis("method.outer.lr", (0.4, 0.6), tuning.step_by(0.2, 0.1), 1)
+    s = tuning.coordinate_search(
+        _base(),
+        (axis,),
+        regime=tuning.Regime(20.0, 5),
+        train=loss,
+        confirm=tuning.Confirm(noise=0.005, seeds=(1, 2)),
+    )
+    assert s.best.method.outer.lr == 0.2
+    assert s.confirmed == []  # the last decision was not a near-tie

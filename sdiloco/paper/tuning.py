@@ -270,13 +270,12 @@ def coordinate_search(
     confirmed: list[Confirmation] = []
     for axis in axes:
         try:
-            best, low, done, confirmation = _sweep(
+            best, low, gap, confirmation = _sweep(
                 axis, trial, published.get(axis.field), tie, confirm
             )
         except ValueError as e:
             raise ValueError(f"{e} at {regime!r}: {infeasible[-1][2]}") from None
-        if best != low:  # the tie rule kept another value than the best trial
-            gap = (done[best].mean - done[low].mean) / abs(done[low].mean)
+        if best != low:  # the tie rule kept another value than the best
             kept.append((axis.field, best, low, gap))
         if confirmation is not None:
             confirmed.append(confirmation)
@@ -290,31 +289,40 @@ Trainer = Callable[..., Trial]
 
 def _sweep(
     axis: Axis, trial: Trainer, target: Any, tie: float, confirm: Confirm | None
-) -> tuple[Any, Any, dict[Any, Trial], Confirmation | None]:
+) -> tuple[Any, Any, float, Confirmation | None]:
     """One axis of `coordinate_search`: its values, extended past an edge while the
-    choice sits there; returns the value kept, the best trial's, every trial and the
-    noise rule's confirmation (None where it did not apply)."""
+    choice sits there; returns the value kept, the best value, how far the kept
+    value's loss is above the best's (relative), and the noise rule's confirmation
+    (None where it did not apply).
+
+    Every decision compares the values on the same seeds: the search's own (a
+    confirmed value's extra seeds left out), or, where the noise rule applies, every
+    seed of its contenders."""
     values, extensions = list(axis.values), 0
     done = {v: trial(axis, v) for v in values}
     while True:
         among, confirmation, decide_tie = values, None, tie
+        score = {v: done[v].mean for v in values}
         if confirm is not None:
             among = _confirm(axis, values, done, trial, confirm)
+            score = {v: _first_mean(done[v], confirm) for v in values}
             if among is not values:
                 decide_tie = confirm.tie
-        best, low = _pick(among, done, target, decide_tie)
-        if confirm is not None and among is not values:
-            first = min(values, key=lambda v: _first_mean(done[v], confirm))
+                first = min(values, key=score.__getitem__)
+                score = {v: done[v].mean for v in among}
+        best, low = _pick(among, score, target, decide_tie)
+        if among is not values:
             contenders = {v: done[v].losses for v in among}
             confirmation = Confirmation(axis.field, contenders, first, best)
-        if math.isinf(done[low].mean):
+        if math.isinf(score[low]):
             raise ValueError(f"no value of {axis.field!r} in {values} can be trained")
+        gap = (score[best] - score[low]) / abs(score[low])
         edge = -1 if best == values[0] else (1 if best == values[-1] else 0)
         if not edge or axis.extend is None or extensions >= axis.max_extensions:
-            return best, low, done, confirmation
+            return best, low, gap, confirmation
         new = axis.extend(best, edge)
         if new in done:
-            return best, low, done, confirmation
+            return best, low, gap, confirmation
         values = sorted(values + [new])
         done[new] = trial(axis, new)
         extensions += 1
@@ -352,17 +360,17 @@ def _confirm(
 
 
 def _pick(
-    values: list[Any], done: dict[Any, Trial], target: Any, tie: float
+    values: list[Any], score: Mapping[Any, float], target: Any, tie: float
 ) -> tuple[Any, Any]:
-    """An axis' decision and its best trial's value: the decision is the best, or,
-    with a published `target`, the value nearest it among those within `tie` of the
-    best (`coordinate_search`)."""
-    best = min(values, key=lambda v: done[v].mean)
+    """An axis' decision and its best value by `score` (each value's loss): the
+    decision is the best, or, with a published `target`, the value nearest it among
+    those within `tie` of the best (`coordinate_search`)."""
+    best = min(values, key=score.__getitem__)
     if target is None:
         return best, best
-    low = done[best].mean
-    near = [v for v in values if done[v].mean <= low + tie * abs(low)]
-    return min(near, key=lambda v: (_distance(v, target), done[v].mean)), best
+    low = score[best]
+    near = [v for v in values if score[v] <= low + tie * abs(low)]
+    return min(near, key=lambda v: (_distance(v, target), score[v])), best
 
 
 def _check_search(
