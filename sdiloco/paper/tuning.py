@@ -254,15 +254,7 @@ def coordinate_search(
             if s not in have:
                 have[s] = train_fn(f"{axis.field}={value}", config, s)
         t = Trial(axis.field, value, config, [have[s] for s in want], want)
-        if extra:  # a confirmed value: its entry on this axis gains the seeds
-            i = max(
-                i
-                for i, u in enumerate(trials)
-                if (u.axis, u.value) == (t.axis, t.value)
-            )
-            trials[i] = t
-        else:
-            trials.append(t)
+        _record(trials, t, replace=bool(extra))
         return t
 
     published = published or {}
@@ -281,6 +273,16 @@ def coordinate_search(
             confirmed.append(confirmation)
         current = regime.apply(set_field(current, axis.field, best))
     return Search(current, trials, infeasible, kept, confirmed)
+
+
+def _record(trials: list[Trial], t: Trial, *, replace: bool) -> None:
+    """Add a trial to a search's list; a confirmed one (`replace`) takes the place
+    of its axis and value's latest entry, which it extends by the extra seeds."""
+    if not replace:
+        trials.append(t)
+        return
+    same = [i for i, u in enumerate(trials) if (u.axis, u.value) == (t.axis, t.value)]
+    trials[same[-1]] = t
 
 
 Trainer = Callable[..., Trial]
