@@ -333,9 +333,10 @@ def test_learning_rates_and_momentum_as_values_compute_optax_numbers_bitwise():
 
 
 def test_trials_of_other_learning_rates_share_one_compiled_step():
-    # A sweep's trials that differ in the inner or outer learning rate or the outer
-    # momentum lower to the same program (so XLA compiles it once: its cache is
-    # keyed by the program); another warmup is another program.
+    # A sweep's trials that differ in the inner or outer learning rate, the outer
+    # momentum, the warmup or the run's length lower to the same program (so XLA
+    # compiles it once: its cache is keyed by the program); another model is another
+    # program.
     from sdiloco.lab import train
     from sdiloco.lab.cluster import Placement
 
@@ -357,14 +358,57 @@ def test_trials_of_other_learning_rates_share_one_compiled_step():
     for trial in (
         dict(inner={"lr": 4e-3}),
         dict(method={"outer": {"lr": 0.8, "momentum": 0.5}}),
+        dict(inner={"lr": 1e-3, "warmup_fraction": 0.5}),
+        dict(inner={"lr": 1e-3, "warmup_fraction": None, "warmup_steps": 0}),
+        dict(inner={"lr": 1e-3}, steps=60),
     ):
         assert program(**trial) == first, trial
-    assert program(inner={"lr": 1e-3, "warmup_fraction": 0.5}) != first
+    assert program(inner={"lr": 1e-3}, model="tiny-xxs") != first
     # A failure trace is the step's input: another trace is the same program (a
     # replica's reset optimizer state, built in the step, holds the initial lr).
     chaos = program(inner={"lr": 1e-3}, failures={"failures": 1.0, "seed": 1})
     other = program(inner={"lr": 1e-3}, failures={"failures": 5.0, "seed": 2})
     assert chaos == other != first
+
+
+@pytest.mark.two_programs  # the numbers of optax's schedule as XLA compiles it
+@given(
+    lr=st.floats(1e-5, 0.5),
+    warmup=st.integers(0, 400),
+    steps=st.integers(1, 3000),
+    ratio=st.sampled_from([0.0, 0.05, 0.1]),
+)
+@settings(max_examples=25)
+@jax.numpy_dtype_promotion("standard")  # optax's schedules: float * int32 count
+def test_warmup_cosine_with_traced_lengths_is_optax_schedule_bitwise(
+    lr, warmup, steps, ratio
+):
+    # `InnerConfig.build`'s schedule takes the warmup and the length as values of
+    # the optimizer state: at every step of a run it gives the learning rate that
+    # optax's schedule with constant lengths gives, to the last bit. Each runs
+    # jitted on a scalar step count, as the optimizer calls it.
+    inner = config_lib.InnerConfig(lr=lr, warmup_steps=warmup, min_lr_ratio=ratio)
+    w, d = inner.lengths(steps)
+    alpha = ratio * lr / lr  # optax's end / peak
+
+    def reference(peak):  # the schedule `build` used before: constant lengths
+        return optax.join_schedules(
+            [
+                optax.linear_schedule(0.0, peak, w),
+                optax.cosine_decay_schedule(peak, d - w, alpha=alpha),
+            ],
+            [w],
+        )
+
+    def each(schedule):  # jitted on one scalar step count at a time
+        return lambda counts, *args: jax.lax.map(schedule(*args), counts)
+
+    counts, peak = jnp.arange(0, steps + 2, dtype=jnp.int32), jnp.float32(lr)
+    expected = jax.jit(each(reference))(counts, peak)
+    got = jax.jit(each(lambda *a: config_lib.warmup_cosine(*a, alpha)))(
+        counts, peak, jnp.asarray(w), jnp.asarray(d)
+    )
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
 
 
 @pytest.mark.parametrize(

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 import optax.contrib
 
@@ -125,44 +126,46 @@ class InnerConfig:
         return max(1, round(self.warmup_fraction * total_steps))
 
     def schedule(self, total_steps: int, peak: Any = None) -> optax.Schedule:
-        """Warmup then cosine decay to `min_lr_ratio * lr` at `total_steps`.
-
-        `optax.warmup_cosine_decay_schedule`, built from the same two optax pieces
-        so that its peak may be `peak`, a traced value (`build` passes the one the
-        optimizer state carries); default `lr`. The cosine's floor, `end / peak`,
-        is computed from `lr` as optax computes it: the numbers are optax's, bitwise.
-        """
-        warmup = min(self.warmup(total_steps), max(total_steps - 1, 0))
-        decay_steps = max(total_steps, warmup + 1)
+        """Warmup then cosine decay to `min_lr_ratio * lr` at `total_steps`:
+        `warmup_cosine` at this config's warmup and length (`lengths`), peak `peak`
+        (a traced value, as `build` passes) or `lr`. The numbers are
+        `optax.warmup_cosine_decay_schedule`'s, bitwise."""
+        warmup, decay_steps = self.lengths(total_steps)
         peak = self.lr if peak is None else peak
-        alpha = self.min_lr_ratio * self.lr / self.lr  # optax's end / peak
-        return optax.join_schedules(
-            [
-                optax.linear_schedule(0.0, peak, warmup),
-                optax.cosine_decay_schedule(peak, decay_steps - warmup, alpha=alpha),
-            ],
-            [warmup],
-        )
+        return warmup_cosine(peak, warmup, decay_steps, self._alpha())
+
+    def _alpha(self) -> float:
+        """The cosine's floor over its peak, computed as optax computes `end / peak`
+        (its `end` is `min_lr_ratio · lr`), to the last bit."""
+        return self.min_lr_ratio * self.lr / self.lr
+
+    def lengths(self, total_steps: int) -> tuple[int, int]:
+        """`(warmup, decay_steps)` of a run of `total_steps`: the warmup kept below
+        the run's length, the cosine at least one step long (optax's rules)."""
+        warmup = min(self.warmup(total_steps), max(total_steps - 1, 0))
+        return warmup, max(total_steps, warmup + 1)
 
     def build(self, total_steps: int) -> optax.GradientTransformation:
         """The optax transformation for a run of `total_steps` inner steps.
 
-        The peak learning rate is a value of the optimizer state, not a constant of
-        the program (`optax.inject_hyperparams`; `hyperparams["learning_rate"]`):
-        runs that differ only in it (the trials of a learning-rate sweep) compile
-        one program. The warmup and the schedule's length stay constants, and so
-        does the initial value where the step itself initialises a state (a
-        replica that comes back without a live peer, in a run with `failures`):
-        such runs share a program across failure traces, not learning rates.
+        The peak learning rate, the warmup and the schedule's length are values of
+        the optimizer state, not constants of the program (`optax.inject_hyperparams`;
+        `hyperparams["learning_rate"]`, `["warmup_steps"]`, `["decay_steps"]`): runs
+        that differ only in them (the trials of a learning-rate or warmup sweep, or
+        two budgets of one model) compile one program. The initial values stay
+        constants where the step itself initialises a state (a replica that comes
+        back without a live peer, in a run with `failures`): such runs share a
+        program across failure traces, not hyperparameters.
         A `transform` is returned as it is.
         """
         if self.transform is not None:
             return objects.build(self.transform)
+        warmup, decay_steps = self.lengths(total_steps)
         adamw = optax.inject_hyperparams(
-            lambda learning_rate: self._optimizer(
-                self.schedule(total_steps, peak=learning_rate)
+            lambda learning_rate, warmup_steps, decay_steps: self._optimizer(
+                warmup_cosine(learning_rate, warmup_steps, decay_steps, self._alpha())
             )
-        )(learning_rate=self.lr)
+        )(learning_rate=self.lr, warmup_steps=warmup, decay_steps=decay_steps)
         if self.clip_norm is None:
             return adamw
         return optax.chain(optax.clip_by_global_norm(self.clip_norm), adamw)
@@ -187,6 +190,42 @@ class InnerConfig:
             eps=self.eps,
             weight_decay=self.weight_decay,
         )
+
+
+def warmup_cosine(
+    peak: Any, warmup: Any, decay_steps: Any, alpha: float
+) -> optax.Schedule:
+    """Linear warmup from 0 to `peak` over `warmup` steps, then cosine decay to
+    `alpha · peak` at `decay_steps`, where every argument but `alpha` may be a
+    traced value.
+
+    The numbers are `optax.warmup_cosine_decay_schedule(0, peak, warmup,
+    decay_steps, end)`'s with `alpha = end / peak`, bitwise: the same operations in the same
+    order (`optax.linear_schedule` joined to `optax.cosine_decay_schedule` at
+    `warmup`). optax's own pieces cannot take a traced warmup or length (they test
+    them in Python), which would make every warmup and every budget of a sweep a
+    program of its own. `warmup` = 0 starts at the cosine, as optax's does. The
+    caller keeps `0 <= warmup < decay_steps` (`InnerConfig.lengths`).
+    """
+
+    def schedule(count: Any) -> Any:
+        # Where optax divides by a constant (the warmup, the cosine's length), XLA
+        # multiplies by the constant's reciprocal; the records were made with that
+        # arithmetic. A traced divisor is not rewritten, so the product is written
+        # here: dividing would move the learning rate by an ulp at some steps.
+        # optax.linear_schedule(0.0, peak, warmup): a polynomial of power 1.
+        ramp_count = jnp.clip(count, 0, warmup)
+        frac = 1 - ramp_count * (1 / jnp.asarray(warmup, jnp.float32))
+        ramp = (0.0 - peak) * (frac**1) + peak
+        # optax.cosine_decay_schedule(peak, decay_steps - warmup, alpha), from warmup
+        # (optax's π · since / length, folded as XLA folds it).
+        length = jnp.asarray(decay_steps - warmup, jnp.float32)
+        since = jnp.minimum(count - warmup, length)
+        cosine = 0.5 * (1 + jnp.cos(since * (jnp.pi * (1 / length))))
+        decayed = (1 - alpha) * cosine**1.0 + alpha
+        return jnp.where(count < warmup, ramp, peak * decayed)
+
+    return schedule
 
 
 def muon_dimensions(params: Any) -> Any:
