@@ -416,6 +416,13 @@ def bench_chaos(workdir: pathlib.Path, minutes: float, seed: int) -> dict:
     chaos_s = time.time() - trained_from
     chaos_errors = [x for x in text.splitlines() if x.startswith("error: ")]
     job_rc = job.returncode
+    (workdir / "chaos.log").write_text(text)
+    if job_rc != 0:  # kept for the reader; the fault-free run would not be compared
+        record = {"chaos_exit": job_rc, "chaos_errors": chaos_errors}
+        record["chaos_log_tail"] = text.splitlines()[-80:]
+        record["faults"] = [json.loads(x) for x in faults_path.read_text().splitlines()]
+        _save("elastic_chaos_failed.json", {"chaos": record})
+        raise SystemExit(f"the chaos job ended with exit {job_rc}: {chaos_errors}")
     free = workdir / "free"
     job = _job(free, [*CHAOS, f"--steps={steps}"])
     while min(_step(free, m) for m in range(6)) < 10:
@@ -428,6 +435,140 @@ def bench_chaos(workdir: pathlib.Path, minutes: float, seed: int) -> dict:
     record = _chaos_record(chaos, free, steps, chaos_s, free_s, start, faults_path)
     record["chaos_exit"], record["chaos_errors"] = job_rc, chaos_errors
     return record
+
+
+CUT = [*TINY, "--steps=600", "--min-step-s=0.05", "--grace=4", "--quantizer=none"]
+"""The cut's job: 3 islands of tiny-xxs, float32 messages (θ_g compared bitwise)."""
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+def _in(ns: str, argv: Sequence[str], **kw: Any) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", "netns", "exec", ns, *argv], **kw)
+
+
+def bench_cut(workdir: pathlib.Path, seconds: float = 10.0) -> dict:
+    """One island cut off from the others for `seconds`: two Ray nodes, each in a
+    network namespace of its own made here (`A` holds the head, `B` a second node),
+    joined by a veth pair and nothing else; the job's 3 islands are spread over them
+    (`SPREAD`), and B's end of the pair goes down at step 120 and up again
+    `seconds` later. Both namespaces, the pair and both nodes are removed after."""
+    tag = f"sdl{os.getpid() % 100000}"
+    a, b = f"{tag}a", f"{tag}b"
+    env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=os.urandom(16).hex())
+    env.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    ray = [sys.executable, "-m", "ray.scripts.scripts"]
+    common = [
+        "--num-cpus=2",
+        "--object-store-memory=200000000",
+        "--disable-usage-stats",
+    ]
+    out = workdir / "cut"
+    try:
+        for ns in (a, b):
+            _ip("netns", "add", ns)
+            _ip("-n", ns, "link", "set", "lo", "up")
+        _ip(
+            "-n",
+            a,
+            "link",
+            "add",
+            "va",
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "vb",
+            "netns",
+            b,
+        )
+        for ns, dev, ip in ((a, "va", "10.77.0.1/24"), (b, "vb", "10.77.0.2/24")):
+            _ip("-n", ns, "addr", "add", ip, "dev", dev)
+            _ip("-n", ns, "link", "set", dev, "up")
+        head = [*ray, "start", "--head", "--node-ip-address=10.77.0.1", "--port=6390"]
+        head += ["--include-dashboard=false", *common]
+        _in(a, head, env=env, check=True, capture_output=True)
+        node = [
+            *ray,
+            "start",
+            "--address=10.77.0.1:6390",
+            "--node-ip-address=10.77.0.2",
+        ]
+        node += [f"--plasma-store-socket-name=/tmp/{tag}-plasma"]
+        node += [f"--raylet-socket-name=/tmp/{tag}-raylet", *common]
+        _in(b, node, env=env, check=True, capture_output=True)
+        argv = [sys.executable, "-m", "sdiloco", "train", "--elastic", "--no-progress"]
+        argv += [*CUT, "--address=10.77.0.1:6390", f"--out={out}"]
+        job = subprocess.Popen(
+            ["ip", "netns", "exec", a, *argv],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        while min(_step(out, m) for m in range(3)) < 120:
+            assert job.poll() is None, job.communicate()[0][-3000:]
+            time.sleep(0.05)
+        where = {m: _netns_of(_pid(out, f"island-{m}")) for m in range(3)}
+        cut = [m for m, ns in where.items() if ns == b]
+        assert cut, f"no island on the second node: {where}"
+        step = {m: _step(out, m) for m in range(3)}
+        cut_at = time.time()
+        _ip("-n", b, "link", "set", "vb", "down")
+        time.sleep(seconds)
+        _ip("-n", b, "link", "set", "vb", "up")
+        text, _ = job.communicate(timeout=900)
+        (workdir / "cut.log").write_text(text)
+        return _cut_record(out, job.returncode, text, cut, step, cut_at, seconds)
+    finally:
+        for ns in (b, a):
+            _in(ns, [*ray, "stop", "--force"], env=env, capture_output=True)
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def _netns_of(pid: int) -> str:
+    """The name of the named network namespace `pid` is in ('' if none)."""
+    done = subprocess.run(
+        ["ip", "netns", "identify", str(pid)], capture_output=True, text=True
+    )
+    return done.stdout.strip()
+
+
+def _cut_record(out, rc, text, cut, step, cut_at, seconds) -> dict:
+    decisions = json.loads((out / "syncer.json").read_text())["decisions"]
+    summaries = {}
+    for m in range(3):
+        path = out / f"island-{m}.json"
+        summaries[m] = json.loads(path.read_text()) if path.exists() else None
+    during = [d for d in decisions if cut_at <= d["at"] <= cut_at + seconds + 30]
+    back = next(
+        (d for d in decisions if d["at"] > cut_at and set(cut) <= set(d["members"])),
+        None,
+    )
+    finished = [s for s in summaries.values() if s is not None]
+    return {
+        "islands_cut_off": cut,
+        "steps_at_cut": step,
+        "cut_s": seconds,
+        "exit": rc,
+        "errors": [x for x in text.splitlines() if x.startswith("error: ")],
+        "rounds_without_the_cut_island": sum(
+            not set(cut) <= set(d["members"]) for d in decisions
+        ),
+        "longest_wait_s_in_and_after_the_cut": max(
+            (d["waited_s"] for d in during), default=None
+        ),
+        "cut_to_rejoin_s": None if back is None else back["at"] - cut_at,
+        "heals": {m: s["healed"] for m, s in summaries.items() if s is not None},
+        "theta_g_equal_on_every_island": len(finished) == 3
+        and len({s["global_digest"] for s in finished}) == 1,
+        "loss": next(
+            (s["evaluation"]["eval/global"] for s in finished if s["evaluation"]), None
+        ),
+    }
 
 
 def _fault(out: pathlib.Path, rng: random.Random) -> dict:
@@ -599,7 +740,7 @@ def _isolated() -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    for mode in ("rounds", "heal", "kill", "chaos", "table"):
+    for mode in ("rounds", "heal", "kill", "chaos", "cut", "table"):
         parser.add_argument(f"--{mode}", action="store_true")
     parser.add_argument("--sizes", default=",".join(map(str, SIZES_MB)), help="MB")
     parser.add_argument("--islands", default="3,4")
@@ -637,6 +778,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.chaos:
             record["chaos"] = bench_chaos(work, args.minutes, args.seed)
             _save("elastic_chaos.json", record)
+        if args.cut:
+            record["cut"] = bench_cut(work)
+            _save("elastic_cut.json", record)
     return 0
 
 
