@@ -450,59 +450,33 @@ def _in(ns: str, argv: Sequence[str], **kw: Any) -> subprocess.CompletedProcess:
 
 
 def bench_cut(workdir: pathlib.Path, seconds: float = 10.0) -> dict:
-    """One island cut off from the others for `seconds`: two Ray nodes, each in a
-    network namespace of its own made here (`A` holds the head, `B` a second node),
-    joined by a veth pair and nothing else; the job's 3 islands are spread over them
-    (`SPREAD`), and B's end of the pair goes down at step 120 and up again
-    `seconds` later. Both namespaces, the pair and both nodes are removed after."""
+    """One island cut off from the others for `seconds`. Three Ray nodes, each in a
+    network namespace of its own made here: `a` holds the head and a bridge, `b` and
+    `c` a node each, joined to the bridge by a veth pair and to nothing else. The
+    job's 3 islands are spread one per node (`SPREAD`); at step 120 the link of the
+    node that holds island 2 goes down, and up again `seconds` later. The
+    namespaces, the pairs, the bridge and the nodes are removed after."""
     tag = f"sdl{os.getpid() % 100000}"
-    a, b = f"{tag}a", f"{tag}b"
+    names = [f"{tag}{x}" for x in "abc"]
     env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=os.urandom(16).hex())
     env.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
     ray = [sys.executable, "-m", "ray.scripts.scripts"]
-    common = [
-        "--num-cpus=2",
-        "--object-store-memory=200000000",
-        "--disable-usage-stats",
-    ]
+    common = ["--object-store-memory=200000000", "--disable-usage-stats"]
     out = workdir / "cut"
     try:
-        for ns in (a, b):
-            _ip("netns", "add", ns)
-            _ip("-n", ns, "link", "set", "lo", "up")
-        _ip(
-            "-n",
-            a,
-            "link",
-            "add",
-            "va",
-            "type",
-            "veth",
-            "peer",
-            "name",
-            "vb",
-            "netns",
-            b,
-        )
-        for ns, dev, ip in ((a, "va", "10.77.0.1/24"), (b, "vb", "10.77.0.2/24")):
-            _ip("-n", ns, "addr", "add", ip, "dev", dev)
-            _ip("-n", ns, "link", "set", dev, "up")
+        _bridged(names)
         head = [*ray, "start", "--head", "--node-ip-address=10.77.0.1", "--port=6390"]
-        head += ["--include-dashboard=false", *common]
-        _in(a, head, env=env, check=True, capture_output=True)
-        node = [
-            *ray,
-            "start",
-            "--address=10.77.0.1:6390",
-            "--node-ip-address=10.77.0.2",
-        ]
-        node += [f"--plasma-store-socket-name=/tmp/{tag}-plasma"]
-        node += [f"--raylet-socket-name=/tmp/{tag}-raylet", *common]
-        _in(b, node, env=env, check=True, capture_output=True)
+        head += ["--include-dashboard=false", "--num-cpus=2", *common]
+        _in(names[0], [*head, f"--temp-dir=/tmp/{tag}-a"], env=env, check=True)
+        for k, ns in enumerate(names[1:], start=2):
+            node = [*ray, "start", "--address=10.77.0.1:6390", "--num-cpus=1"]
+            node += [f"--node-ip-address=10.77.0.{k}", *common]
+            node += [f"--temp-dir=/tmp/{tag}-{ns[-1]}"]  # its sockets apart
+            _in(ns, node, env=env, check=True, capture_output=True)
         argv = [sys.executable, "-m", "sdiloco", "train", "--elastic", "--no-progress"]
         argv += [*CUT, "--address=10.77.0.1:6390", f"--out={out}"]
         job = subprocess.Popen(
-            ["ip", "netns", "exec", a, *argv],
+            ["ip", "netns", "exec", names[0], *argv],
             cwd=ROOT,
             env=env,
             stdout=subprocess.PIPE,
@@ -513,20 +487,55 @@ def bench_cut(workdir: pathlib.Path, seconds: float = 10.0) -> dict:
             assert job.poll() is None, job.communicate()[0][-3000:]
             time.sleep(0.05)
         where = {m: _netns_of(_pid(out, f"island-{m}")) for m in range(3)}
-        cut = [m for m, ns in where.items() if ns == b]
-        assert cut, f"no island on the second node: {where}"
+        assert sorted(where.values()) == sorted(names), f"not one per node: {where}"
+        cut = [2]
+        link = f"v{where[2][-1]}"  # the cut node's end of its pair
         step = {m: _step(out, m) for m in range(3)}
         cut_at = time.time()
-        _ip("-n", b, "link", "set", "vb", "down")
+        _ip("-n", where[2], "link", "set", link, "down")
         time.sleep(seconds)
-        _ip("-n", b, "link", "set", "vb", "up")
+        _ip("-n", where[2], "link", "set", link, "up")
         text, _ = job.communicate(timeout=900)
         (workdir / "cut.log").write_text(text)
         return _cut_record(out, job.returncode, text, cut, step, cut_at, seconds)
     finally:
-        for ns in (b, a):
+        for ns in reversed(names):
             _in(ns, [*ray, "stop", "--force"], env=env, capture_output=True)
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+            shutil.rmtree(f"/tmp/{tag}-{ns[-1]}", ignore_errors=True)
+
+
+def _bridged(names: Sequence[str]) -> None:
+    """Network namespaces `names`, each with `lo` up: the first holds a bridge
+    (10.77.0.1), each other one a veth pair's end (`v<letter>`, 10.77.0.k) whose
+    peer is on the bridge."""
+    for ns in names:
+        _ip("netns", "add", ns)
+        _ip("-n", ns, "link", "set", "lo", "up")
+    hub = names[0]
+    _ip("-n", hub, "link", "add", "name", "br0", "type", "bridge")
+    _ip("-n", hub, "addr", "add", "10.77.0.1/24", "dev", "br0")
+    _ip("-n", hub, "link", "set", "br0", "up")
+    for k, ns in enumerate(names[1:], start=2):
+        end, peer = f"v{ns[-1]}", f"p{ns[-1]}"
+        _ip(
+            "-n",
+            hub,
+            "link",
+            "add",
+            peer,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            end,
+            "netns",
+            ns,
+        )
+        _ip("-n", hub, "link", "set", peer, "master", "br0")
+        _ip("-n", hub, "link", "set", peer, "up")
+        _ip("-n", ns, "addr", "add", f"10.77.0.{k}/24", "dev", end)
+        _ip("-n", ns, "link", "set", end, "up")
 
 
 def _netns_of(pid: int) -> str:

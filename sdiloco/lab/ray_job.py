@@ -88,6 +88,7 @@ def run_job(
         where = {"namespace": context.namespace, "address": context.gcs_address}
         _write(out_dir, "ray.json", json.dumps(where))
         actor = ray.remote(Island)
+        placement = _placement(ray)
         islands = [
             actor.options(
                 name=f"island-{m}",
@@ -95,7 +96,7 @@ def run_job(
                 max_task_retries=0,
                 num_cpus=0,
                 max_concurrency=4,
-                scheduling_strategy="SPREAD",
+                scheduling_strategy=placement(m),
             ).remote()
             for m in range(count)
         ]
@@ -200,3 +201,17 @@ def _tell(syncer: Any, method: str, *args: Any) -> None:
         getattr(syncer, method).remote(*args)
     except Exception:  # noqa: BLE001
         pass
+
+
+def _placement(ray: Any) -> Any:
+    """Where island m goes: on a cluster of several nodes, on node m mod n (the
+    nodes alive at the start, in the order of their ids), pinned: Ray restarts it on
+    that node, and an island whose node is gone is out of the job (the others go
+    on). On one node, anywhere. Ray's `SPREAD`, and its soft node affinity, are best
+    effort: on three fresh nodes they put two of three islands on one node."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
+    if len(nodes) < 2:
+        return lambda m: "SPREAD"
+    return lambda m: NodeAffinitySchedulingStrategy(nodes[m % len(nodes)], soft=False)
