@@ -711,6 +711,22 @@ def tables() -> str:
             f"| θ_g byte-identical on every island | {_yes(len(runs['chaos']['digests']) == 1)} | {_yes(len(runs['free']['digests']) == 1)} |",
             f"| messages of islands not healed yet, refused | {runs['chaos']['unhealed_posts']} | {runs['free']['unhealed_posts']} |",
         ]
+    cut = _load("elastic_cut.json").get("cut", {})
+    if cut:
+        (m,) = cut["islands_cut_off"]
+        heal = cut["heals"][str(m)]
+        lines += [
+            "",
+            "| network cut (3 islands of tiny-xxs, one per Ray node) | |",
+            "|---|---|",
+            f"| island cut off from the others | {m}, for {cut['cut_s']:.0f} s from step {cut['steps_at_cut'][str(m)]} |",
+            f"| the others' longest wait for a round | {cut['longest_wait_s_in_and_after_the_cut']:.2f} s |",
+            f"| rounds decided without it | {cut['rounds_without_the_cut_island']} |",
+            f"| from the cut to its first round as a member | {cut['cut_to_rejoin_s']:.1f} s |",
+            f"| its heal ({heal['why']}) | {heal['seconds']:.3f} s, {heal['bytes']:,} bytes |",
+            f"| θ_g byte-identical on every island | {_yes(cut['theta_g_equal_on_every_island'])} |",
+            f"| the job's exit status | {cut['exit']} |",
+        ]
     return "\n".join(lines)
 
 

@@ -180,6 +180,38 @@ def test_the_job_ends_when_every_island_that_can_finish_is_done():
     run(go())
 
 
+def test_an_island_restored_at_the_runs_last_step_does_not_heal():
+    # Killed after its checkpoint of the last step (under load, after the others
+    # had finished): it has trained every step, and its θ_g is the one it ended
+    # with, so it does not ask a peer (that may have left) for a state.
+    async def go():
+        s = _syncer(steps=240)
+        await _hello_all(s, steps=(240, 240, 240))
+        again = await s.hello(0, s.owners[0], FIELDS, 240, 200)
+        assert again["heal"] is False and 0 not in s.healing
+        midway = await s.hello(1, s.owners[1], FIELDS, 200, 201)  # restarted earlier
+        assert midway["heal"] is True
+
+    run(go())
+
+
+def test_a_heal_with_no_island_left_to_serve_it_ends_at_once():
+    # Every other island finished and left (none live): the heal cannot come, and
+    # the asker is told so at once instead of waiting for ever.
+    async def go():
+        s = _syncer(heartbeat_s=0.1)
+        await _hello_all(s)
+        s.finished(0)
+        s.finished(2)
+        asked = asyncio.create_task(s.want_heal(1, "n"))
+        await asyncio.sleep(0.05)
+        assert not asked.done()  # 0 and 2 still serve, within the heartbeat
+        await asyncio.sleep(0.2)
+        assert await asyncio.wait_for(asked, 1.0) == [None]
+
+    run(go())
+
+
 @pytest.mark.parametrize(
     "call",
     [

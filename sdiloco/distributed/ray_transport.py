@@ -220,6 +220,11 @@ class RayTransport(Transport):
         while True:
             nonce = uuid.uuid4().hex
             (ref,) = self.call("want_heal", self.replica, nonce)
+            if ref is None:
+                raise Refused(
+                    f"island {self.replica}: no island is left to heal from (every "
+                    "other one finished or is gone)"
+                )
             try:
                 blob = self.get(ref, "a heal")
                 break

@@ -81,8 +81,10 @@ class Syncer:
         keep_s: float = 60.0,
         heartbeat_s: float = 10.0,
         serve_s: float = 30.0,
+        steps: int | None = None,
     ):
         self.num_replicas, self.fingerprint = num_replicas, dict(fingerprint)
+        self.steps = steps  # the run's last step: an island restored there is done
         self.grace_s, self.start_s, self.keep_s = grace_s, start_s, keep_s
         self.heartbeat_s, self.serve_s = heartbeat_s, serve_s
         self.expected = set(range(num_replicas))
@@ -142,7 +144,10 @@ class Syncer:
             started.set()
         if self.start_step is None:
             self.start_step = max(self.greeted.values())
-        heal = restarted or step < self.start_step
+        # An island restored from its checkpoint of the run's last step has trained
+        # every step (its θ_g is the one it had at its end): nothing to heal.
+        finished = self.steps is not None and step >= self.steps
+        heal = (restarted or step < self.start_step) and not finished
         self.healing.discard(m)
         self.behind.discard(m)
         if heal:
@@ -320,6 +325,8 @@ class Syncer:
         while True:
             self.seen[m] = time.monotonic()
             peer = self._route(m, nonce, passed)
+            if peer is None and self._no_healer(m):
+                return [None]  # nobody left who could serve: the island ends
             if peer is None:
                 await asyncio.sleep(0.1)  # when a peer is free
                 continue
@@ -333,6 +340,12 @@ class Syncer:
             if nonce in self.offers:
                 self.serving.pop(peer, None)
                 return self.offers.pop(nonce)
+
+    def _no_healer(self, m: int) -> bool:
+        """Whether no island but m is live, and every other one has finished or will
+        not come back: a heal for m could wait for ever."""
+        others = set(range(self.num_replicas)) - {m}
+        return not (self.live() - {m}) and others <= self.done | self.gone
 
     def _route(self, asker: int, nonce: str, passed: set[int]) -> int | None:
         busy = self.healing | set(self.serving) | self.behind | {asker}

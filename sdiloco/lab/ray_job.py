@@ -129,6 +129,7 @@ def _syncer(ray: Any, kind: Any, config: RunConfig, options: ElasticOptions) -> 
             keep_s=options.keep_s,
             heartbeat_s=options.heartbeat_s,
             serve_s=max(10.0, 2 * options.grace_s),
+            steps=config.steps,
         )
     )
 
