@@ -35,14 +35,20 @@ import jax
 from sdiloco.lab import config, train
 
 cache, model, steps, trials = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+vary = sys.argv[5]
 train.enable_compile_cache(cache)
 base = config.preset("streaming_overlap_fp4", model=model, steps=steps)
 base = base.replace(eval_every=steps, eval_windows=8)
 with jax.numpy_dtype_promotion("standard"):
     for k in range(trials):
-        train.run(base.replace(inner={"lr": 1e-3 * 1.5**k}), progress=False)
+        if vary == "lr":
+            trial = base.replace(inner={"lr": 1e-3 * 1.5**k})
+        else:  # the warmup, as the sweep's warmup axis does
+            trial = base.replace(inner={"warmup_fraction": 0.05 + 0.1 * k})
+        train.run(trial, progress=False)
 """
-"""The sweep, run in the child: trials that differ only in the inner lr."""
+"""The sweep, run in the child: trials that differ only in the inner lr, or only in
+the warmup (`--vary`)."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="tiny-xs")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--trials", type=int, default=8)
+    p.add_argument("--vary", choices=("lr", "warmup"), default="lr")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--notebook", help="time this notebook's FAST runs instead")
     args = p.parse_args(argv)
@@ -74,8 +81,8 @@ def _what(args: argparse.Namespace) -> str:
     if args.notebook:
         return f"python -m sdiloco.paper {args.notebook} --fast, cold cache"
     return (
-        f"{args.trials} lr trials of {args.model}, {args.steps} steps each, one "
-        "process, cold cache"
+        f"{args.trials} {args.vary} trials of {args.model}, {args.steps} steps each, "
+        "one process, cold cache"
     )
 
 
@@ -93,7 +100,7 @@ def _measure(folder: pathlib.Path, args: argparse.Namespace) -> dict:
             cmd += ["--out", os.path.join(cache, "out")]
         else:
             cmd = [sys.executable, "-c", CHILD, cache, args.model]
-            cmd += [str(args.steps), str(args.trials)]
+            cmd += [str(args.steps), str(args.trials), args.vary]
         start = time.perf_counter()
         before = os.times()
         proc = subprocess.run(
