@@ -469,6 +469,56 @@ def test_bad_flags_are_one_line(argv, message):
     assert len(lines) == 1 and message in lines[0], lines
 
 
+def test_an_error_raised_in_one_islands_run_does_not_end_the_job(monkeypatch):
+    # An island's run that raises an error of its own kind (not a death, not an
+    # elastic error: say its checkpoint could not be read) is run again while it
+    # has restarts left, then ends alone with one line; the others' summaries
+    # stand. Before, Ray's wrapped error left the driver's loop and every island
+    # ended with the job (a chaos soak's job ended so after a SIGKILL).
+    import ray
+    from ray import exceptions as rx
+
+    from sdiloco.lab import ray_job
+
+    calls: list[str] = []
+
+    class Method:
+        def __init__(self, name):
+            self.name = name
+
+        def remote(self, *args):
+            calls.append(self.name)
+            return ("syncer", self.name)
+
+    class FakeSyncer:
+        def __getattr__(self, name):
+            return Method(name)
+
+    def start(m):
+        ref = (m, calls.count(f"start {m}"))
+        calls.append(f"start {m}")
+        return ref
+
+    def get(ref, timeout=None):
+        if ref[0] == "syncer":
+            return {"decisions": []}
+        m, _ = ref
+        if m == 1:
+            cause = ValueError("checkpoint 800 could not be read")
+            raise rx.RayTaskError("Island.run", "Traceback ...", cause)
+        return {"summary": {"island": m}}
+
+    monkeypatch.setattr(ray, "wait", lambda refs, **kw: (refs[:1], refs[1:]))
+    monkeypatch.setattr(ray, "get", get)
+    result = ray_job._watch(start, 3, FakeSyncer(), 2, None)
+    assert result.summaries == {0: {"island": 0}, 2: {"island": 2}}
+    assert calls.count("start 1") == 3  # the first run and 2 restarts
+    assert result.errors[1] == (
+        "island 1 failed: ValueError: checkpoint 800 could not be read; ended 3 "
+        "times, no restart left (max_restarts=2)"
+    )
+
+
 def test_the_job_keeps_rays_token_authentication_on(monkeypatch):
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     from sdiloco.lab import ray_job

@@ -138,8 +138,9 @@ def _watch(
     start: Any, count: int, syncer: Any, max_restarts: int, out_dir: str | None
 ) -> JobResult:
     """Start every island and wait for them all; an island whose process died
-    (Ray restarted its actor), or that fell out of step with the job, is run again
-    while it has restarts left: it heals from a live peer."""
+    (Ray restarted its actor), that fell out of step with the job, or whose run
+    raised an error of any other kind, is run again while it has restarts left: it
+    heals from a live peer. No island's error ends the job."""
     import ray
     from ray import exceptions as rx
 
@@ -158,6 +159,9 @@ def _watch(
                 continue
             except rx.RayActorError:  # its process died: Ray restarts the actor
                 out = _after_death(syncer, m, out_dir)
+            except rx.RayError as e:  # its run raised, or Ray lost its result:
+                # that island's end, not the job's
+                out = {"error": f"island {m} failed: {_cause(e)}", "again": True}
             if "summary" in out:
                 result.summaries[m] = out["summary"]
                 continue
@@ -194,6 +198,13 @@ def _after_death(syncer: Any, m: int, out_dir: str | None) -> dict[str, Any]:
         with open(path) as f:
             return {"summary": json.load(f)}
     return {"error": f"island {m} died", "again": True}
+
+
+def _cause(error: Any) -> str:
+    """One line for an error of an island's run (Ray wraps what the run raised)."""
+    cause = getattr(error, "cause", None) or error
+    text = str(cause).strip().splitlines()
+    return f"{type(cause).__name__}: {text[-1] if text else ''}"
 
 
 def _tell(syncer: Any, method: str, *args: Any) -> None:
