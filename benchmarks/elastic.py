@@ -4,6 +4,8 @@
     python -m benchmarks.elastic --heal      # heal time, 1 MB .. 1 GiB
     python -m benchmarks.elastic --kill      # SIGKILL: stall, heal, rejoin; Ray's memory
     python -m benchmarks.elastic --chaos [--minutes 10]   # the chaos soak
+    python -m benchmarks.elastic --chaos --nodes 6        # ... one island per node, cuts too
+    python -m benchmarks.elastic --cut       # one island's node cut off for 10 s
 
 Every mode runs inside a network namespace of its own whose only interface is `lo`
 (it re-runs itself under `unshare --net` as root), so Ray binds loopback only.
@@ -24,10 +26,16 @@ Every mode runs inside a network namespace of its own whose only interface is `l
   `measured/elastic_chaos_faults.jsonl`; then the same job without faults. Throughput
   retained, rounds with full membership, final loss against the fault-free run,
   θ_g equality, and the posts of islands not healed yet (refused, counted).
-  Record `measured/elastic_chaos.json`.
+  Record `measured/elastic_chaos.json`. With `--nodes N` the job runs on N Ray
+  nodes, each in a network namespace made here and joined by a bridge (one island
+  per node), and the faults also draw a cut: an island's node off the bridge for
+  10 s (never the head's). Record `measured/elastic_chaos_nodes.json`.
+- `--cut`: three such nodes, 3 islands of tiny-xxs; island 2's node is cut off for
+  10 s at step 120. Record `measured/elastic_cut.json`.
 """
 
 import argparse
+import contextlib
 import io
 import json
 import os
@@ -184,12 +192,21 @@ def bench_heal(sizes_mb: Sequence[int], repeats: int) -> dict:
 # ------------------------------------------------------------------- real jobs
 
 
-def _job(out: pathlib.Path, flags: Sequence[str]) -> subprocess.Popen:
+def _job(
+    out: pathlib.Path, flags: Sequence[str], cluster: "Cluster | None" = None
+) -> subprocess.Popen:
+    """`train --elastic` with `flags`, on a local Ray instance, or joining `cluster`
+    (run in its head's namespace)."""
     argv = [sys.executable, "-m", "sdiloco", "train", "--elastic", "--no-progress"]
+    argv = [*argv, *flags, f"--out={out}"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    if cluster is not None:
+        argv = ["ip", "netns", "exec", cluster.names[0], *argv, cluster.address_flag]
+        env = cluster.env
     return subprocess.Popen(
-        [*argv, *flags, f"--out={out}"],
+        argv,
         cwd=ROOT,
-        env=dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu"),
+        env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -387,15 +404,20 @@ CHAOS = [
 ]
 
 
-def bench_chaos(workdir: pathlib.Path, minutes: float, seed: int) -> dict:
+def bench_chaos(
+    workdir: pathlib.Path, minutes: float, seed: int, cluster: "Cluster | None" = None
+) -> dict:
     """The soak (see the module): `steps` sized so the fault-free job lasts about
-    `minutes` (0.1 s a step, paced), the chaos job the same steps."""
+    `minutes` (0.1 s a step, paced), the chaos job the same steps. On `cluster`
+    (one island per node) the faults also draw cuts: an island's node off the
+    others for 10 s."""
     steps = int(minutes * 60 / 0.1)
     rng = random.Random(seed)
-    faults_path = MEASURED / "elastic_chaos_faults.jsonl"
+    name = "elastic_chaos" if cluster is None else "elastic_chaos_nodes"
+    faults_path = MEASURED / f"{name}_faults.jsonl"
     chaos = workdir / "chaos"
     start = time.time()
-    job = _job(chaos, [*CHAOS, f"--steps={steps}"])
+    job = _job(chaos, [*CHAOS, f"--steps={steps}"], cluster)
     while min(_step(chaos, m) for m in range(6)) < 10:
         assert job.poll() is None, job.communicate()[0][-3000:]
         time.sleep(0.1)
@@ -408,7 +430,7 @@ def bench_chaos(workdir: pathlib.Path, minutes: float, seed: int) -> dict:
                 or min(_step(chaos, m) for m in range(6)) > steps - 100
             ):
                 break
-            fault = _fault(chaos, rng)
+            fault = _fault(chaos, rng, cluster)
             log.write(json.dumps(fault) + "\n")
             log.flush()
             print(json.dumps(fault), flush=True)
@@ -421,10 +443,10 @@ def bench_chaos(workdir: pathlib.Path, minutes: float, seed: int) -> dict:
         record = {"chaos_exit": job_rc, "chaos_errors": chaos_errors}
         record["chaos_log_tail"] = text.splitlines()[-80:]
         record["faults"] = [json.loads(x) for x in faults_path.read_text().splitlines()]
-        _save("elastic_chaos_failed.json", {"chaos": record})
+        _save(f"{name}_failed.json", {"chaos": record})
         raise SystemExit(f"the chaos job ended with exit {job_rc}: {chaos_errors}")
     free = workdir / "free"
-    job = _job(free, [*CHAOS, f"--steps={steps}"])
+    job = _job(free, [*CHAOS, f"--steps={steps}"], cluster)
     while min(_step(free, m) for m in range(6)) < 10:
         assert job.poll() is None, job.communicate()[0][-3000:]
         time.sleep(0.1)
@@ -449,20 +471,25 @@ def _in(ns: str, argv: Sequence[str], **kw: Any) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", "netns", "exec", ns, *argv], **kw)
 
 
-def bench_cut(workdir: pathlib.Path, seconds: float = 10.0) -> dict:
-    """One island cut off from the others for `seconds`. Three Ray nodes, each in a
-    network namespace of its own made here: `a` holds the head and a bridge, `b` and
-    `c` a node each, joined to the bridge by a veth pair and to nothing else. The
-    job's 3 islands are spread one per node (`SPREAD`); at step 120 the link of the
-    node that holds island 2 goes down, and up again `seconds` later. The
-    namespaces, the pairs, the bridge and the nodes are removed after."""
+class Cluster(NamedTuple):
+    """Ray nodes in network namespaces of their own (`_cluster`)."""
+
+    names: list[str]
+    env: dict[str, str]
+    address_flag: str
+
+
+@contextlib.contextmanager
+def _cluster(count: int):
+    """`count` Ray nodes, each in a network namespace made here: the first holds
+    the head and a bridge, each other one a node joined to the bridge by a veth pair
+    and to nothing else (`_bridged`). Everything is removed after."""
     tag = f"sdl{os.getpid() % 100000}"
-    names = [f"{tag}{x}" for x in "abc"]
+    names = [f"{tag}{chr(ord('a') + k)}" for k in range(count)]
     env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=os.urandom(16).hex())
     env.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
     ray = [sys.executable, "-m", "ray.scripts.scripts"]
     common = ["--object-store-memory=200000000", "--disable-usage-stats"]
-    out = workdir / "cut"
     try:
         _bridged(names)
         head = [*ray, "start", "--head", "--node-ip-address=10.77.0.1", "--port=6390"]
@@ -473,16 +500,22 @@ def bench_cut(workdir: pathlib.Path, seconds: float = 10.0) -> dict:
             node += [f"--node-ip-address=10.77.0.{k}", *common]
             node += [f"--temp-dir=/tmp/{tag}-{ns[-1]}"]  # its sockets apart
             _in(ns, node, env=env, check=True, capture_output=True)
-        argv = [sys.executable, "-m", "sdiloco", "train", "--elastic", "--no-progress"]
-        argv += [*CUT, "--address=10.77.0.1:6390", f"--out={out}"]
-        job = subprocess.Popen(
-            ["ip", "netns", "exec", names[0], *argv],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
+        yield Cluster(names, env, "--address=10.77.0.1:6390")
+    finally:
+        for ns in reversed(names):
+            _in(ns, [*ray, "stop", "--force"], env=env, capture_output=True)
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+            shutil.rmtree(f"/tmp/{tag}-{ns[-1]}", ignore_errors=True)
+
+
+def bench_cut(workdir: pathlib.Path, seconds: float = 10.0) -> dict:
+    """One island cut off from the others for `seconds`: three Ray nodes
+    (`_cluster`), the job's 3 islands one per node; at step 120 the link of the
+    node that holds island 2 goes down, and up again `seconds` later."""
+    out = workdir / "cut"
+    with _cluster(3) as cluster:
+        names = cluster.names
+        job = _job(out, CUT, cluster)
         while min(_step(out, m) for m in range(3)) < 120:
             assert job.poll() is None, job.communicate()[0][-3000:]
             time.sleep(0.05)
@@ -498,11 +531,6 @@ def bench_cut(workdir: pathlib.Path, seconds: float = 10.0) -> dict:
         text, _ = job.communicate(timeout=900)
         (workdir / "cut.log").write_text(text)
         return _cut_record(out, job.returncode, text, cut, step, cut_at, seconds)
-    finally:
-        for ns in reversed(names):
-            _in(ns, [*ray, "stop", "--force"], env=env, capture_output=True)
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-            shutil.rmtree(f"/tmp/{tag}-{ns[-1]}", ignore_errors=True)
 
 
 def _bridged(names: Sequence[str]) -> None:
@@ -580,11 +608,30 @@ def _cut_record(out, rc, text, cut, step, cut_at, seconds) -> dict:
     }
 
 
-def _fault(out: pathlib.Path, rng: random.Random) -> dict:
-    kind = rng.choice(["sigkill", "sigstop", "kill_healer"])
+def _fault(
+    out: pathlib.Path, rng: random.Random, cluster: "Cluster | None" = None
+) -> dict:
+    kinds = ["sigkill", "sigstop", "kill_healer"] + (["cut"] if cluster else [])
+    kind = rng.choice(kinds)
     m = rng.randrange(6)
+    if kind == "cut":  # an island on a node of its own, not the head's
+        assert cluster is not None
+        away = [
+            k
+            for k in range(6)
+            if _netns_of(_pid(out, f"island-{k}")) != cluster.names[0]
+        ]
+        m = rng.choice(away)
     at, pid = time.time(), _pid(out, f"island-{m}")
     fault: dict = {"t": at, "kind": kind, "island": m, "step": _step(out, m)}
+    if kind == "cut":
+        assert cluster is not None
+        ns = _netns_of(pid)
+        _ip("-n", ns, "link", "set", f"v{ns[-1]}", "down")
+        time.sleep(10.0)
+        _ip("-n", ns, "link", "set", f"v{ns[-1]}", "up")
+        fault["cut_s"] = 10.0
+        return fault
     if kind == "sigstop":
         pause = rng.uniform(5, 15)
         os.kill(pid, signal.SIGSTOP)
@@ -694,23 +741,13 @@ def tables() -> str:
             f"| a plain Python process (numpy imported) | {kill['python_numpy_mb']:.0f} |",
             f"| Ray per island (the difference) | {kill['ray_per_island_mb']:.0f} |",
         ]
-    chaos = _load("elastic_chaos.json").get("chaos", {})
-    if chaos:
-        runs = chaos["runs"]
-        lines += [
-            "",
-            "| chaos soak (6 islands of tiny-xxxs) | with faults | fault-free |",
-            "|---|---|---|",
-            f"| steps | {chaos['steps']:,} | {chaos['steps']:,} |",
-            f"| wall time from step 10 to the end | {chaos['chaos_s']:.0f} s | {chaos['free_s']:.0f} s |",
-            f"| faults (a fault every 20-30 s) | {chaos['faults']}: {_kinds(chaos)} | 0 |",
-            f"| throughput retained | {chaos['throughput_retained']:.1%} | 100 % |",
-            f"| rounds with all 6 islands | {_frac(runs['chaos'])} | {_frac(runs['free'])} |",
-            f"| rounds decided at the grace deadline | {runs['chaos']['timed_out']} | {runs['free']['timed_out']} |",
-            f"| final held-out loss of θ_g | {runs['chaos']['eval']:.4f} | {runs['free']['eval']:.4f} |",
-            f"| θ_g byte-identical on every island | {_yes(len(runs['chaos']['digests']) == 1)} | {_yes(len(runs['free']['digests']) == 1)} |",
-            f"| messages of islands not healed yet, refused | {runs['chaos']['unhealed_posts']} | {runs['free']['unhealed_posts']} |",
-        ]
+    for record, where in (
+        ("elastic_chaos.json", "6 islands of tiny-xxxs on one node"),
+        ("elastic_chaos_nodes.json", "6 islands of tiny-xxxs, one per Ray node"),
+    ):
+        chaos = _load(record).get("chaos", {})
+        if chaos:
+            lines += ["", *_chaos_table(chaos, where)]
     cut = _load("elastic_cut.json").get("cut", {})
     if cut:
         (m,) = cut["islands_cut_off"]
@@ -728,6 +765,23 @@ def tables() -> str:
             f"| the job's exit status | {cut['exit']} |",
         ]
     return "\n".join(lines)
+
+
+def _chaos_table(chaos: dict, where: str) -> list[str]:
+    runs = chaos["runs"]
+    return [
+        f"| chaos soak ({where}) | with faults | fault-free |",
+        "|---|---|---|",
+        f"| steps | {chaos['steps']:,} | {chaos['steps']:,} |",
+        f"| wall time from step 10 to the end | {chaos['chaos_s']:.0f} s | {chaos['free_s']:.0f} s |",
+        f"| faults (a fault every 20-30 s) | {chaos['faults']}: {_kinds(chaos)} | 0 |",
+        f"| throughput retained | {chaos['throughput_retained']:.1%} | 100 % |",
+        f"| rounds with all 6 islands | {_frac(runs['chaos'])} | {_frac(runs['free'])} |",
+        f"| rounds decided at the grace deadline | {runs['chaos']['timed_out']} | {runs['free']['timed_out']} |",
+        f"| final held-out loss of θ_g | {runs['chaos']['eval']:.4f} | {runs['free']['eval']:.4f} |",
+        f"| θ_g byte-identical on every island | {_yes(len(runs['chaos']['digests']) == 1)} | {_yes(len(runs['free']['digests']) == 1)} |",
+        f"| messages of islands not healed yet, refused | {runs['chaos']['unhealed_posts']} | {runs['free']['unhealed_posts']} |",
+    ]
 
 
 def _kinds(chaos: dict) -> str:
@@ -772,6 +826,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--nodes",
+        type=int,
+        default=0,
+        help="--chaos on this many Ray nodes in namespaces (one island each): "
+        "the faults draw network cuts too",
+    )
     args = parser.parse_args(argv)
     if args.table:
         print(tables())
@@ -800,7 +861,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.kill:
             record["kill"] = bench_kill(work)
             _save("elastic_ray.json", record)
-        if args.chaos:
+        if args.chaos and args.nodes:
+            with _cluster(args.nodes) as cluster:
+                record["chaos"] = bench_chaos(work, args.minutes, args.seed, cluster)
+            _save("elastic_chaos_nodes.json", record)
+        elif args.chaos:
             record["chaos"] = bench_chaos(work, args.minutes, args.seed)
             _save("elastic_chaos.json", record)
         if args.cut:

@@ -52,16 +52,17 @@ def analytic(
     """The bytes each field should hold, counted from N (float32 parameters).
 
     The inner optimizer is the presets' `clip_by_global_norm → adamw(schedule)`
-    with its peak learning rate a value of the state (`optax.inject_hyperparams`):
-    two moments per parameter, three int32 counters (Adam's, the schedule's and the
-    injection's) and the float32 learning rate per replica. The outer optimizer, SGD
+    with its peak learning rate, warmup and length values of the state
+    (`optax.inject_hyperparams`): two moments per parameter, three int32 counters
+    (Adam's, the schedule's and the injection's), the float32 learning rate and the
+    int32 warmup and length per replica. The outer optimizer, SGD
     with Nesterov momentum, keeps one momentum per parameter and, per fragment, the
     injection's counter, learning rate and momentum. The in-flight buffer holds
     `inflight_values` values (`num_slots × slot_size` of the run's layout; default
     N, one whole-model slot).
     """
     n = num_params * bytes_per_value
-    inner = 2 * n + 3 * 4 + 4
+    inner = 2 * n + 3 * 4 + 4 + 2 * 4
     if method == "data_parallel":
         return {"step": 4, "global_params": n, "inner_state": inner}
     return {

@@ -117,10 +117,20 @@ def run_job(
 
 
 def _syncer(ray: Any, kind: Any, config: RunConfig, options: ElasticOptions) -> Any:
-    """The job's syncer actor: no restart (its state is the rounds in flight)."""
+    """The job's syncer actor: no restart (its state is the rounds in flight), on
+    the driver's node (a node cut off from the others takes no syncer with it)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = ray.get_runtime_context().get_node_id()
     return (
         ray.remote(kind)
-        .options(name="syncer", max_restarts=0, num_cpus=0, max_concurrency=10_000)
+        .options(
+            name="syncer",
+            max_restarts=0,
+            num_cpus=0,
+            max_concurrency=10_000,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
+        )
         .remote(
             config.method.num_replicas,
             fingerprint(config),
