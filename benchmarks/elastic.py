@@ -522,7 +522,7 @@ def bench_cut(workdir: pathlib.Path, seconds: float = 10.0) -> dict:
         where = {m: _netns_of(_pid(out, f"island-{m}")) for m in range(3)}
         assert sorted(where.values()) == sorted(names), f"not one per node: {where}"
         cut = [2]
-        link = f"v{where[2][-1]}"  # the cut node's end of its pair
+        link = f"ve{where[2][-1]}"  # the cut node's end of its pair
         step = {m: _step(out, m) for m in range(3)}
         cut_at = time.time()
         _ip("-n", where[2], "link", "set", link, "down")
@@ -535,7 +535,7 @@ def bench_cut(workdir: pathlib.Path, seconds: float = 10.0) -> dict:
 
 def _bridged(names: Sequence[str]) -> None:
     """Network namespaces `names`, each with `lo` up: the first holds a bridge
-    (10.77.0.1), each other one a veth pair's end (`v<letter>`, 10.77.0.k) whose
+    (10.77.0.1), each other one a veth pair's end (`ve<letter>`, 10.77.0.k) whose
     peer is on the bridge."""
     for ns in names:
         _ip("netns", "add", ns)
@@ -545,7 +545,7 @@ def _bridged(names: Sequence[str]) -> None:
     _ip("-n", hub, "addr", "add", "10.77.0.1/24", "dev", "br0")
     _ip("-n", hub, "link", "set", "br0", "up")
     for k, ns in enumerate(names[1:], start=2):
-        end, peer = f"v{ns[-1]}", f"p{ns[-1]}"
+        end, peer = f"ve{ns[-1]}", f"pe{ns[-1]}"
         _ip(
             "-n",
             hub,
@@ -627,9 +627,9 @@ def _fault(
     if kind == "cut":
         assert cluster is not None
         ns = _netns_of(pid)
-        _ip("-n", ns, "link", "set", f"v{ns[-1]}", "down")
+        _ip("-n", ns, "link", "set", f"ve{ns[-1]}", "down")
         time.sleep(10.0)
-        _ip("-n", ns, "link", "set", f"v{ns[-1]}", "up")
+        _ip("-n", ns, "link", "set", f"ve{ns[-1]}", "up")
         fault["cut_s"] = 10.0
         return fault
     if kind == "sigstop":
