@@ -750,21 +750,24 @@ def tables() -> str:
             lines += ["", *_chaos_table(chaos, where)]
     cut = _load("elastic_cut.json").get("cut", {})
     if cut:
-        (m,) = cut["islands_cut_off"]
-        heal = cut["heals"][str(m)]
-        lines += [
-            "",
-            "| network cut (3 islands of tiny-xxs, one per Ray node) | |",
-            "|---|---|",
-            f"| island cut off from the others | {m}, for {cut['cut_s']:.0f} s from step {cut['steps_at_cut'][str(m)]} |",
-            f"| the others' longest wait for a round | {cut['longest_wait_s_in_and_after_the_cut']:.2f} s |",
-            f"| rounds decided without it | {cut['rounds_without_the_cut_island']} |",
-            f"| from the cut to its first round as a member | {cut['cut_to_rejoin_s']:.1f} s |",
-            f"| its heal ({heal['why']}) | {heal['seconds']:.3f} s, {heal['bytes']:,} bytes |",
-            f"| θ_g byte-identical on every island | {_yes(cut['theta_g_equal_on_every_island'])} |",
-            f"| the job's exit status | {cut['exit']} |",
-        ]
+        lines += ["", *_cut_table(cut)]
     return "\n".join(lines)
+
+
+def _cut_table(cut: dict) -> list[str]:
+    (m,) = cut["islands_cut_off"]
+    heal = cut["heals"][str(m)]
+    return [
+        "| network cut (3 islands of tiny-xxs, one per Ray node) | |",
+        "|---|---|",
+        f"| island cut off from the others | {m}, for {cut['cut_s']:.0f} s from step {cut['steps_at_cut'][str(m)]} |",
+        f"| the others' longest wait for a round | {cut['longest_wait_s_in_and_after_the_cut']:.2f} s |",
+        f"| rounds decided without it | {cut['rounds_without_the_cut_island']} |",
+        f"| from the cut to its first round as a member | {cut['cut_to_rejoin_s']:.1f} s |",
+        f"| its heal ({heal['why']}) | {heal['seconds']:.3f} s, {heal['bytes']:,} bytes |",
+        f"| θ_g byte-identical on every island | {_yes(cut['theta_g_equal_on_every_island'])} |",
+        f"| the job's exit status | {cut['exit']} |",
+    ]
 
 
 def _chaos_table(chaos: dict, where: str) -> list[str]:
