@@ -200,11 +200,12 @@ def warmup_cosine(
     traced value.
 
     The numbers are `optax.warmup_cosine_decay_schedule(0, peak, warmup,
-    decay_steps, end)`'s with `alpha = end / peak`, bitwise: the same operations in the same
-    order (`optax.linear_schedule` joined to `optax.cosine_decay_schedule` at
-    `warmup`). optax's own pieces cannot take a traced warmup or length (they test
-    them in Python), which would make every warmup and every budget of a sweep a
-    program of its own. `warmup` = 0 starts at the cosine, as optax's does. The
+    decay_steps, end)`'s with `alpha = end / peak`, bitwise: optax's operations
+    (`optax.linear_schedule` joined to `optax.cosine_decay_schedule` at `warmup`),
+    with each division by a length written as the product XLA makes of it (the
+    comment below). optax's own pieces cannot take a traced warmup or length (they
+    test them in Python), which would make every warmup and every budget of a sweep
+    a program of its own. `warmup` = 0 starts at the cosine, as optax's does. The
     caller keeps `0 <= warmup < decay_steps` (`InnerConfig.lengths`).
     """
 
