@@ -522,12 +522,9 @@ def bench_cut(workdir: pathlib.Path, seconds: float = 10.0) -> dict:
         where = {m: _netns_of(_pid(out, f"island-{m}")) for m in range(3)}
         assert sorted(where.values()) == sorted(names), f"not one per node: {where}"
         cut = [2]
-        link = f"ve{where[2][-1]}"  # the cut node's end of its pair
         step = {m: _step(out, m) for m in range(3)}
         cut_at = time.time()
-        _ip("-n", where[2], "link", "set", link, "down")
-        time.sleep(seconds)
-        _ip("-n", where[2], "link", "set", link, "up")
+        _cut_off(where[2], seconds)
         text, _ = job.communicate(timeout=900)
         (workdir / "cut.log").write_text(text)
         return _cut_record(out, job.returncode, text, cut, step, cut_at, seconds)
@@ -564,6 +561,14 @@ def _bridged(names: Sequence[str]) -> None:
         _ip("-n", hub, "link", "set", peer, "up")
         _ip("-n", ns, "addr", "add", f"10.77.0.{k}/24", "dev", end)
         _ip("-n", ns, "link", "set", end, "up")
+
+
+def _cut_off(ns: str, seconds: float) -> None:
+    """Namespace `ns`'s node off the bridge for `seconds`: its end of its veth pair
+    (`_bridged`) down, then up."""
+    _ip("-n", ns, "link", "set", f"ve{ns[-1]}", "down")
+    time.sleep(seconds)
+    _ip("-n", ns, "link", "set", f"ve{ns[-1]}", "up")
 
 
 def _netns_of(pid: int) -> str:
@@ -625,11 +630,7 @@ def _fault(
     at, pid = time.time(), _pid(out, f"island-{m}")
     fault: dict = {"t": at, "kind": kind, "island": m, "step": _step(out, m)}
     if kind == "cut":
-        assert cluster is not None
-        ns = _netns_of(pid)
-        _ip("-n", ns, "link", "set", f"ve{ns[-1]}", "down")
-        time.sleep(10.0)
-        _ip("-n", ns, "link", "set", f"ve{ns[-1]}", "up")
+        _cut_off(_netns_of(pid), 10.0)
         fault["cut_s"] = 10.0
         return fault
     if kind == "sigstop":
